@@ -20,6 +20,11 @@ class DraftTree:
     depths: torch.LongTensor  # [n] 0 for the root
     scores: torch.Tensor = field(default=None)  # [n] cumulative draft log-prob (0 at the root)
 
+    def __post_init__(self):
+        n = self.tokens.shape[0]
+        if self.parents[0] != -1 or not (self.parents[1:] < torch.arange(1, n)).all() or (self.parents[1:] < 0).any():
+            raise ValueError("a draft tree lists every parent before its children, with the root (parent -1) first")
+
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
