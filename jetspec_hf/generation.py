@@ -220,10 +220,9 @@ def tree_generate(
     sequence = input_ids
     finished = False
 
-    def commit(next_token_logits: torch.Tensor) -> tuple[int, bool]:
-        """Pick the token plain decoding would produce after `sequence` from the target's logits there (`[1, V]`,
-        float32), append and stream it, and say whether generation stops after it."""
-        nonlocal sequence, scores, raw_logits, finished
+    def pick(next_token_logits: torch.Tensor) -> int:
+        """The token plain decoding would produce from the target's logits (`[1, V]`, float32) after `sequence`."""
+        nonlocal scores, raw_logits
         next_scores = logits_processor(sequence, next_token_logits) if len(logits_processor) else next_token_logits
         if generation_config.do_sample:
             token = torch.multinomial(nn.functional.softmax(next_scores, dim=-1), num_samples=1)
@@ -233,13 +232,18 @@ def tree_generate(
             scores += (next_scores,)
         if raw_logits is not None:
             raw_logits += (next_token_logits,)
-        sequence = torch.cat([sequence, token.to(sequence.device)], dim=-1)
-        if streamer is not None:
-            streamer.put(token[0].cpu())
-        finished = bool(stopping_criteria(sequence, scores).any())
-        return int(token), finished
+        return int(token)
 
-    commit(outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device))
+    def commit(token: int) -> bool:
+        """Append and stream `token`; say whether generation stops after it."""
+        nonlocal sequence, finished
+        sequence = torch.cat([sequence, sequence.new_tensor([[token]])], dim=-1)
+        if streamer is not None:
+            streamer.put(torch.tensor([token]))
+        finished = bool(stopping_criteria(sequence, scores).any())
+        return finished
+
+    commit(pick(outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)))
     del outputs
 
     while not finished:
@@ -268,7 +272,7 @@ def tree_generate(
         verified = time.perf_counter()
 
         node_logits = outputs.logits[0].to(dtype=torch.float32, device=sequence.device)
-        path, committed = walk_tree(tree.children(), lambda node: commit(node_logits[node : node + 1]))
+        path, committed = walk_tree(tree.children(), lambda node: pick(node_logits[node : node + 1]), commit)
         keep_path_in_cache(cache, past_len, path)
         if taps:
             candidate_generator.extend_context(tapped_rows(outputs, torch.tensor(path, device=sequence.device)))

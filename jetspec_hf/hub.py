@@ -407,6 +407,11 @@ def push_head_to_hub(
                 card.data.tags.append(tag)
         return card
 
+    if not callable(getattr(transformers_hub, "create_and_tag_model_card", None)):
+        raise RuntimeError(
+            "this transformers version has no transformers.utils.hub.create_and_tag_model_card, through which "
+            "push_to_hub gets its README.md: jetspec_hf.hub needs updating"
+        )
     model_class, config_class = type(head), type(config)
     with _PUSH_LOCK:
         saved_model_auto = _save_class_attr(model_class, "_auto_class")

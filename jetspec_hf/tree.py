@@ -92,34 +92,25 @@ def build_tree(root_token: int, draft_logprobs: torch.Tensor, budget: int, width
     )
 
 
-def walk_tree(children: list[dict[int, int]], pick: Callable[[int], tuple[int, bool]]) -> tuple[list[int], list[int]]:
+def walk_tree(
+    children: list[dict[int, int]], pick: Callable[[int], int], commit: Callable[[int], bool]
+) -> tuple[list[int], list[int]]:
     """Acceptance: from the root, repeatedly commit the token the target picks at the current node, and move to the
     child holding that token while there is one.
 
-    `pick(node)` returns `(token, stop)`: the token the target commits after the path ending at `node` (its argmax,
-    or a sample from its processed distribution), and whether generation must stop right after that token (EOS,
-    max length, a stopping criterion). Picks are made lazily along the walked path only, so logits processors and
-    the sampler run exactly once per committed token, as in plain decoding.
+    `pick(node)` is the token the target produces after the path ending at `node` (its argmax, or one draw from its
+    processed distribution); `commit(token)` appends it to the output and says whether generation must stop right
+    after it (EOS, max length, a stopping criterion). Picks are made lazily along the walked path only, so logits
+    processors and the sampler run exactly once per committed token, in order, as in plain decoding.
 
     Returns `(path, committed)`: the visited nodes (root first; their keys/values are kept) and the committed tokens
     (one per visited node: the accepted drafts, then the target's own "bonus" token).
     """
     path, committed = [0], []
     while True:
-        token, stop = pick(path[-1])
+        token = pick(path[-1])
         committed.append(token)
         child = children[path[-1]].get(token)
-        if stop or child is None:
+        if commit(token) or child is None:
             return path, committed
         path.append(child)
-
-
-def chain_tree(root_token: int, draft_tokens: list[int]) -> DraftTree:
-    """A tree that is a single path `root -> draft_tokens[0] -> ...` (for tests and chain baselines)."""
-    n = len(draft_tokens) + 1
-    return DraftTree(
-        tokens=torch.tensor([root_token, *draft_tokens], dtype=torch.long),
-        parents=torch.arange(-1, n - 1, dtype=torch.long),
-        depths=torch.arange(n, dtype=torch.long),
-        scores=torch.zeros(n),
-    )

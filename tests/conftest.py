@@ -1,4 +1,9 @@
 import pytest
+import torch
+
+# The test models are tiny: with two threads, every op pays thread hand-off costs that dwarf the work (10x slower
+# here when the other core is busy). One thread keeps the suite fast and its timings stable.
+torch.set_num_threads(1)
 
 
 CHATML_TEMPLATE = (

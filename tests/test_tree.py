@@ -91,29 +91,33 @@ def test_ancestor_mask_and_children():
     assert tree.children() == [{10: 1, 11: 2}, {12: 3}, {14: 5}, {13: 4}, {}, {}]
 
 
-def make_pick(picks: dict[int, int], stop_at: set[int] = frozenset()):
-    visited = []
+def make_walk(picks: dict[int, int], stop_after: set[int] = frozenset()):
+    visited, committed = [], []
 
     def pick(node):
         visited.append(node)
-        return picks[node], node in stop_at
+        return picks[node]
 
-    return pick, visited
+    def commit(token):
+        committed.append(token)
+        return len(committed) in stop_after
+
+    return pick, commit, visited, committed
 
 
 def test_walk_follows_the_target_through_a_non_first_branch_and_adds_the_bonus_token():
     children = [{10: 1, 11: 2}, {12: 3}, {14: 5}, {13: 4}, {}, {}]
-    pick, visited = make_pick({0: 11, 2: 14, 5: 99})
-    path, committed = walk_tree(children, pick)
+    pick, commit, visited, committed = make_walk({0: 11, 2: 14, 5: 99})
+    path, tokens = walk_tree(children, pick, commit)
     assert path == [0, 2, 5]
-    assert committed == [11, 14, 99]  # two accepted drafts, then the target's own token
+    assert tokens == committed == [11, 14, 99]  # two accepted drafts, then the target's own token
     assert visited == [0, 2, 5]  # the target's choice is asked for exactly once per committed token
 
 
 def test_walk_stops_at_the_first_mismatch_and_when_told_to_stop():
     children = [{10: 1, 11: 2}, {12: 3}, {14: 5}, {13: 4}, {}, {}]
-    pick, _ = make_pick({0: 42})
-    assert walk_tree(children, pick) == ([0], [42])
-    pick, visited = make_pick({0: 10, 1: 12, 3: 13, 4: 7}, stop_at={1})
-    assert walk_tree(children, pick) == ([0, 1], [10, 12])  # stop (say EOS) right after the token picked at node 1
-    assert visited == [0, 1]
+    pick, commit, _, _ = make_walk({0: 42})
+    assert walk_tree(children, pick, commit) == ([0], [42])
+    pick, commit, visited, committed = make_walk({0: 10, 1: 12, 3: 13, 4: 7}, stop_after={2})
+    assert walk_tree(children, pick, commit) == ([0, 1], [10, 12])  # stop (say EOS) right after the 2nd token
+    assert visited == [0, 1] and committed == [10, 12]
