@@ -176,14 +176,12 @@ def tree_generate(
     streamer=None,
     candidate_generator: JetSpecCandidateGenerator | None = None,
     jetspec_streamer=None,
-    tokenizer=None,
     **model_kwargs,
 ) -> GenerateDecoderOnlyOutput | torch.LongTensor:
     """The decoding method handed to `generate(custom_generate=tree_generate, candidate_generator=...)`.
 
     `generate()` does not pass its streamer to custom decoding methods (it only puts the prompt), so the routing
-    wrapper hands it over again as `jetspec_streamer`. `tokenizer` is declared only so that `generate()` keeps it
-    for `stop_strings` (a custom method's own parameters are the only extra arguments it forwards).
+    wrapper hands it over again as `jetspec_streamer`.
     """
     if candidate_generator is None:
         raise ValueError("tree_generate needs a `candidate_generator` (pass assistant_model=<JetSpec head> to generate)")

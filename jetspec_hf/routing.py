@@ -11,10 +11,11 @@ happens before the call's arguments, a head among them, are evaluated). Turn it 
 `target.generate(ids, custom_generate=jetspec_hf.tree_generate, candidate_generator=...)`.
 """
 
+import copy
 import functools
 import inspect
 
-from transformers import GenerationConfig, GenerationMixin
+from transformers import GenerationConfig, GenerationMixin, StoppingCriteriaList, StopStringCriteria
 
 from .generation import JetSpecCandidateGenerator, tree_generate
 
@@ -75,6 +76,24 @@ def resolve_tree_arguments(head_config, tree_budget=None, tree_width=None, tree_
     return {"tree_budget": int(budget), "tree_width": int(width), "tree_depth": int(depth)}
 
 
+def move_stop_strings_to_criteria(target, arguments: dict) -> None:
+    """`generate()` drops its `tokenizer` argument before calling a custom decoding method, so it could not build
+    the `stop_strings` criterion itself: build it here and hand it over as an ordinary stopping criterion."""
+    tokenizer = arguments.pop("tokenizer", None)
+    config = arguments.get("generation_config") or target.generation_config
+    stop_strings = arguments.pop("stop_strings", None) or config.stop_strings
+    if not stop_strings:
+        return
+    if tokenizer is None:
+        raise ValueError("stop_strings need the model's tokenizer: pass tokenizer=... to generate()")
+    criteria = StoppingCriteriaList(arguments.get("stopping_criteria") or [])
+    criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
+    arguments["stopping_criteria"] = criteria
+    if config.stop_strings:
+        arguments["generation_config"] = config = copy.deepcopy(config)
+        config.stop_strings = None
+
+
 def install_generate_hook() -> None:
     """Wrap `GenerationMixin.generate` once (idempotent) so a JetSpec `assistant_model` runs tree decoding."""
     original = GenerationMixin.generate
@@ -100,6 +119,7 @@ def install_generate_hook() -> None:
             head.config, **{name: arguments.pop(name) for name in TREE_ARGUMENTS if name in arguments}
         )
         check_head_fits_target(head, self)
+        move_stop_strings_to_criteria(self, arguments)
         candidate_generator = JetSpecCandidateGenerator(head, self, **tree_arguments)
         arguments.update(
             assistant_model=None,

@@ -25,21 +25,21 @@ _COMMON = dict(
 # Every decoder-only family named in the core issue that transformers builds from a config. Sliding-window families
 # (Mistral, Gemma 2/3) keep their window: tree decoding supports them while the sequence fits in the window.
 TARGETS = {
-    "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**_COMMON, head_dim=8)),
-    "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**_COMMON)),
-    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**_COMMON)),
-    "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**_COMMON, sliding_window=4096)),
-    "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(
-        transformers.Qwen3MoeConfig(**_COMMON, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    "qwen3": lambda c: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**c, head_dim=8)),
+    "qwen2": lambda c: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**c)),
+    "llama": lambda c: transformers.LlamaForCausalLM(transformers.LlamaConfig(**c)),
+    "mistral": lambda c: transformers.MistralForCausalLM(transformers.MistralConfig(**{"sliding_window": 4096, **c})),
+    "qwen3_moe": lambda c: transformers.Qwen3MoeForCausalLM(
+        transformers.Qwen3MoeConfig(**c, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
     ),
-    "gemma": lambda: transformers.GemmaForCausalLM(transformers.GemmaConfig(**_COMMON, head_dim=8)),
-    "gemma2": lambda: transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**_COMMON, head_dim=8, sliding_window=4096)),
+    "gemma": lambda c: transformers.GemmaForCausalLM(transformers.GemmaConfig(**c, head_dim=8)),
+    "gemma2": lambda c: transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**{"head_dim": 8, "sliding_window": 4096, **c})),
 }
 
 
-def tiny_target(arch: str = "qwen3", attn: str = "sdpa", seed: int = 0):
+def tiny_target(arch: str = "qwen3", attn: str = "sdpa", seed: int = 0, **config):
     torch.manual_seed(seed)
-    model = TARGETS[arch]()
+    model = TARGETS[arch]({**_COMMON, **config})
     model.set_attn_implementation(attn)
     # Random weights give flat next-token distributions; sharpen them so greedy picks are far from ties and the
     # token-identity tests compare decisions, not rounding noise.
@@ -61,7 +61,7 @@ def tiny_head(target, causal: bool = True, block_size: int = 6, seed: int = 0, *
         head_dim=8,
         num_target_layers=text.num_hidden_layers,
         target_layer_ids=[0, text.num_hidden_layers - 2],
-        mask_token_id=VOCAB - 1,
+        mask_token_id=target.get_input_embeddings().weight.shape[0] - 1,
         block_size=block_size,
         causal=causal,
         **{"tree_budget": 16, "tree_width": 3, **config},
