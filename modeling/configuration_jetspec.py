@@ -54,6 +54,7 @@ class JetSpecConfig(PreTrainedConfig):
     """
 
     model_type = "jetspec"
+    default_theta = 1000000.0  # RoPE base when a config gives none (Qwen3's)
     keys_to_ignore_at_inference = ["past_key_values"]
 
     vocab_size: int = 151936
@@ -105,8 +106,6 @@ class JetSpecConfig(PreTrainedConfig):
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2 (anchor + at least one drafted slot), got {self.block_size}")
         super().__post_init__(**kwargs)
-        if self.rope_parameters is None:
-            self.rope_parameters = {"rope_type": "default", "rope_theta": 1000000.0}
 
     @property
     def max_tree_depth(self) -> int:

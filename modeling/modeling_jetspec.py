@@ -34,7 +34,9 @@ from .configuration_jetspec import JetSpecConfig
 
 def apply_rotary_to_context_and_block(query, key, cos, sin):
     """RoPE where keys span [context ; block] but queries only the block: queries take the last q_len positions."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    # Under autocast the projections come out in the autocast dtype while cos/sin follow the input: match them so
+    # queries, keys and values share one dtype.
+    cos, sin = cos.unsqueeze(1).to(query.dtype), sin.unsqueeze(1).to(query.dtype)
     q_len = query.shape[-2]
     query = query * cos[..., -q_len:, :] + rotate_half(query) * sin[..., -q_len:, :]
     key = key * cos + rotate_half(key) * sin
@@ -157,6 +159,7 @@ class JetSpecDraftHead(PreTrainedModel):
     _supports_attention_backend = True
     # Duck-typed marker read by jetspec_hf's generate() routing: a head loaded as remote code is another class object.
     is_jetspec_draft_head = True
+    accepts_loss_kwargs = False  # forward() takes **kwargs for attention backends, not for loss normalisation
 
     def __init__(self, config: JetSpecConfig):
         super().__init__(config)
@@ -204,8 +207,8 @@ class JetSpecDraftHead(PreTrainedModel):
             position_ids = torch.arange(num_cached, num_cached + num_context + q_len, device=noise_embeds.device)[None]
 
         if self.config._attn_implementation.startswith("flash"):
-            if attention_mask is not None and attention_mask.dim() == 4:
-                raise ValueError("flash attention takes no 4-D mask: use attn_implementation='sdpa' or 'eager'")
+            if attention_mask is not None and (attention_mask.dim() == 4 or not attention_mask.bool().all()):
+                raise ValueError("flash attention takes no 4-D or padding mask: use attn_implementation='sdpa' or 'eager'")
             attention_mask = None  # is_causal (bottom-right aligned) / non-causal reproduces the block mask
         elif attention_mask is None or attention_mask.dim() == 2:
             attention_mask = block_attention_mask(
@@ -231,7 +234,8 @@ class JetSpecDraftHead(PreTrainedModel):
         problems = {k: sorted(v) for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
         if problems:
             details = "; ".join(f"{k}: {', '.join(map(str, v[:8]))}{' ...' if len(v) > 8 else ''}" for k, v in problems.items())
-            raise ValueError(f"{args[0] if args else 'checkpoint'} is not a complete {cls.__name__} checkpoint ({details})")
+            where = args[0] if args else kwargs.get("pretrained_model_name_or_path", "checkpoint")
+            raise ValueError(f"{where} is not a complete {cls.__name__} checkpoint ({details})")
         return (model, info) if want_info else model
 
 
