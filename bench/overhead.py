@@ -1,9 +1,9 @@
 """Per-step overhead of JetSpec tree decoding outside the two forwards, against a 1-token target step.
 
     python bench/overhead.py [--budgets 8,32,64,128,256] [--width 7] [--depth 15] [--context 512] [--repeats N]
-                             [--markdown OUT.md]
+                             [--markdown OUT.md] [--dtype float32|bfloat16]
 
-Baseline (same run): one 1-token decode step of SmolLM2-135M-Instruct (fp32, sdpa) on a KV cache of `--context`
+Baseline (same run): one 1-token decode step of SmolLM2-135M-Instruct (fp32 by default, sdpa) on a KV cache of `--context`
 tokens, median of repeats after warm-up. For each tree budget, the pieces `tree_generate` runs outside the head
 forward and the target verify forward, each calling the library's own functions:
 
@@ -12,19 +12,19 @@ forward and the target verify forward, each calling the library's own functions:
     verify_in    `tree_attention_mask` (ancestor mask included, all-ones 2-D prefix mask like generate() passes),
                  the prefix-mask extension and root position of the loop, position ids, input ids
     children     `DraftTree.children()`
-    walk@L       `walk_tree` with the loop's greedy `pick` (argmax over one [1, V] float32 row of the [n, V] node
-                 logits) and `commit` (append to the sequence, generate()'s StoppingCriteriaList with MaxLengthCriteria
+    walk@L       `walk_tree` with the loop's greedy `pick` (argmax over one [1, V] row of the [n, V] node logits of
+                 the model's dtype, cast to float32 per visited row as the loop does; a no-op in fp32) and `commit` (append to the sequence, generate()'s StoppingCriteriaList with MaxLengthCriteria
                  and EosTokenCriteria), for an accepted path of L nodes (L tokens committed, bonus included)
     surgery@L    `keep_path_in_cache` on a DynamicCache filled by real SmolLM2 forwards: prefill of `--context`
-                 tokens, then one tree verify forward over the n nodes (30 layers, 3 KV heads, head_dim 64, fp32)
+                 tokens, then one tree verify forward over the n nodes (30 layers, 3 KV heads, head_dim 64)
 
 The draft logits are random with a realistic peaked shape: Gaussian logits over the full vocabulary, scaled so the
 mean top-1 probability is about 0.5. Such a tree is bushy and never reaches depth 15 within these budgets, so the
 deep-path case (walk/surgery along the deepest path the budget allows, up to depth + 1 nodes) is measured on a tree of
 the same budget built from a sharper draft (mean top-1 ~0.95, best-first then goes straight down); build, verify
 inputs and children are always those of the realistic tree. Head-side bookkeeping (tapped hidden rows) belongs to the
-draft forward and is left out. Timings are medians; speed is reported only as ratios to the baseline step, measured
-in this run before and after the pieces (the faster of the two is used: the conservative ratio).
+draft forward and is left out. Timings are medians; speed is reported only as ratios to the baseline step measured
+in this run, timed round-robin with the pieces of each budget so that both see the same load on a shared CPU.
 """
 
 from __future__ import annotations
@@ -50,17 +50,22 @@ from jetspec_hf.tree import build_tree, walk_tree  # noqa: E402
 EOS_TOKEN_ID = 2
 
 
-def median_ms(fn, repeats: int, warmup: int = 3, setup=None) -> float:
-    """Median wall time of `fn(state)` in ms; `setup()` (untimed) makes a fresh state for every call."""
-    times = []
+def interleaved_ms(tasks: dict, repeats: int, warmup: int = 3) -> dict[str, list[float]]:
+    """Wall times in ms of every task, run round-robin (one call of each task per round), so that the baseline step
+    and the pieces see the same load on a shared machine. A task is `fn` or `(fn, setup)`: `setup()` (untimed) makes
+    a fresh state for every call, passed to `fn`; without one `fn(None)` is called. The first `warmup` rounds are
+    dropped."""
+    times = {name: [] for name in tasks}
     for i in range(warmup + repeats):
-        state = setup() if setup is not None else None
-        start = time.perf_counter()
-        fn(state)
-        elapsed = time.perf_counter() - start
-        if i >= warmup:
-            times.append(elapsed)
-    return 1e3 * statistics.median(times)
+        for name, task in tasks.items():
+            fn, setup = task if isinstance(task, tuple) else (task, None)
+            state = setup() if setup is not None else None
+            start = time.perf_counter()
+            fn(state)
+            elapsed = time.perf_counter() - start
+            if i >= warmup:
+                times[name].append(1e3 * elapsed)
+    return times
 
 
 def peaked_draft_logits(depth: int, vocab: int, top1: float, generator: torch.Generator) -> torch.Tensor:
@@ -87,8 +92,8 @@ def chain_path(tree, length: int) -> list[int]:
     return path[::-1][:length]
 
 
-def node_logits_for_path(tree, path: list[int], vocab: int, generator: torch.Generator) -> torch.Tensor:
-    """`[n, V]` float32 target logits whose argmax follows `path`, then picks a token that is no child (the bonus)."""
+def node_logits_for_path(tree, path: list[int], vocab: int, generator: torch.Generator, dtype) -> torch.Tensor:
+    """`[n, V]` target logits whose argmax follows `path`, then picks a token that is no child (the bonus)."""
     logits = torch.randn(len(tree), vocab, generator=generator)
     tokens = tree.tokens.tolist()
     children = tree.children()
@@ -97,7 +102,7 @@ def node_logits_for_path(tree, path: list[int], vocab: int, generator: torch.Gen
     last = path[-1]
     bonus = next(t for t in range(3, vocab) if t not in children[last])  # not EOS, not a child: the walk ends here
     logits[last, bonus] = 100.0
-    return logits
+    return logits.to(dtype)
 
 
 def make_stopping_criteria(max_length: int, max_position_embeddings: int) -> StoppingCriteriaList:
@@ -138,15 +143,18 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=25)
     parser.add_argument("--path-length", type=int, default=4, help="typical accepted length (nodes on the path)")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: the CPU here is shared)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--markdown", default="bench/results/overhead.md")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="of the model and cache")
     args = parser.parse_args(argv)
     budgets = [int(b) for b in args.budgets.split(",")]
     torch.set_num_threads(args.threads)
+    load_start = os.getloadavg()[0]
     generator = torch.Generator().manual_seed(args.seed)
 
-    model, _ = load_smollm2(dtype=torch.float32, attn_implementation="sdpa", progress=False)
+    dtype = getattr(torch, args.dtype)
+    model, _ = load_smollm2(dtype=dtype, attn_implementation="sdpa", progress=False)
     vocab = model.config.vocab_size
     ctx = args.context
 
@@ -163,14 +171,16 @@ def main(argv=None) -> int:
               use_cache=True)
         prefix_cache.crop(-1)  # back to `ctx` tokens (cheap slice; timed with the step)
 
-    step_ms_before = median_ms(decode_step, args.repeats, warmup=3)
+    step_times = []
 
     # ---- per-step pieces ----
     draft_logits = peaked_draft_logits(args.depth, vocab, 0.5, generator)
     draft_logprobs = torch.log_softmax(draft_logits, dim=-1)
     top1 = draft_logprobs.exp().max(dim=-1).values
     deep_logprobs = torch.log_softmax(peaked_draft_logits(args.depth, vocab, 0.95, generator), dim=-1)
-    softmax_ms = median_ms(lambda _: torch.log_softmax(draft_logits, dim=-1), args.repeats)
+    softmax_ms = statistics.median(
+        interleaved_ms({"log_softmax": lambda _: torch.log_softmax(draft_logits, dim=-1)}, args.repeats)["log_softmax"]
+    )
     root_token = int(prompt[0, -1])
     sequence0 = torch.cat([prompt, torch.tensor([[root_token]])], dim=-1)  # the root is committed, not yet cached
     past_len = sequence0.shape[1] - 1
@@ -181,17 +191,14 @@ def main(argv=None) -> int:
     for budget in budgets:
         tree = build_tree(root_token, draft_logprobs, budget, args.width)
         n = len(tree)
-        build_ms = median_ms(lambda _: build_tree(root_token, draft_logprobs, budget, args.width), args.repeats)
 
         def verify_inputs(_):
             pad_keep = torch.cat([pad_keep0, torch.ones(sequence0.shape[1] - pad_keep0.shape[0], dtype=torch.bool)])
             root_position = int(pad_keep.sum()) - 1
             tree.tokens[None]
-            tree_attention_mask(tree, pad_keep, past_len, torch.float32, "cpu")
+            tree_attention_mask(tree, pad_keep, past_len, model.dtype, "cpu")
             (root_position + tree.depths)[None]
 
-        verify_ms = median_ms(verify_inputs, args.repeats)
-        children_ms = median_ms(lambda _: tree.children(), args.repeats)
 
         # Real tree-verify forward to fill the cache exactly as the loop does (prefix + n tree rows).
         verify_cache = clone_cache(prefix_cache)
@@ -215,12 +222,18 @@ def main(argv=None) -> int:
             use_cache=True,
         )
 
-        per_length = {}
+        tasks = {
+            "step": decode_step,
+            "build": lambda _: build_tree(root_token, draft_logprobs, budget, args.width),
+            "verify_in": verify_inputs,
+            "children": lambda _: tree.children(),
+        }
+        paths = {}
         for label, walked_tree, length, filled_cache in (
             ("typ", tree, args.path_length, verify_cache), ("deep", deep_tree, args.depth + 1, deep_cache)
         ):
             path = chain_path(walked_tree, length)
-            node_logits = node_logits_for_path(walked_tree, path, vocab, generator)
+            node_logits = node_logits_for_path(walked_tree, path, vocab, generator, model.dtype)
             children = walked_tree.children()
 
             def walk(_, node_logits=node_logits, children=children):
@@ -234,13 +247,17 @@ def main(argv=None) -> int:
                     sequence = torch.cat([sequence, sequence.new_tensor([[token]])], dim=-1)
                     return bool(stopping(sequence, None).any())
 
-                return walk_tree(children, lambda node: pick(node_logits[node : node + 1]), commit)
+                return walk_tree(
+                    children, lambda node: pick(node_logits[node : node + 1].to(dtype=torch.float32)), commit
+                )
 
             walked, committed = walk(None)
             assert walked == path and len(committed) == len(path), (walked, path)
-            walk_ms = median_ms(walk, args.repeats)
-            surgery_ms = median_ms(lambda cache, path=path: keep_path_in_cache(cache, past_len, path), args.repeats,
-                                   setup=lambda: clone_cache(filled_cache))
+            tasks[f"walk_{label}"] = walk
+            tasks[f"surgery_{label}"] = (
+                lambda cache, path=path: keep_path_in_cache(cache, past_len, path),
+                lambda filled_cache=filled_cache: clone_cache(filled_cache),
+            )
             check = clone_cache(filled_cache)
             keep_path_in_cache(check, past_len, path)
             assert check.get_seq_length() == past_len + len(path)
@@ -248,46 +265,50 @@ def main(argv=None) -> int:
             for got, full in zip(check.layers, filled_cache.layers):  # the kept rows are the path's, in order
                 assert torch.equal(got.keys, full.keys[:, :, rows_kept])
                 assert torch.equal(got.values, full.values[:, :, rows_kept])
-            per_length[label] = (len(path), walk_ms, surgery_ms)
-        del verify_cache, deep_cache
+            paths[label] = path
 
-        row = {"budget": budget, "n": n, "build": build_ms, "verify_in": verify_ms, "children": children_ms,
-               "per_length": per_length}
+        times = interleaved_ms(tasks, args.repeats)
+        del verify_cache, deep_cache, tasks
+        step_times += times["step"]
+        med = {name: statistics.median(ts) for name, ts in times.items()}
+        low = {name: min(ts) for name, ts in times.items()}
+        row = {"budget": budget, "n": n, "step": med["step"], "build": med["build"], "verify_in": med["verify_in"],
+               "children": med["children"]}
+        for label, path in paths.items():
+            total = med["build"] + med["verify_in"] + med["children"] + med[f"walk_{label}"] + med[f"surgery_{label}"]
+            total_min = sum(low[name] for name in ("build", "verify_in", "children", f"walk_{label}", f"surgery_{label}"))
+            row[label] = {"L": len(path), "walk": med[f"walk_{label}"], "surgery": med[f"surgery_{label}"],
+                          "total": total, "ratio": total / med["step"], "ratio_min": total_min / low["step"]}
         rows.append(row)
-
-    step_ms_after = median_ms(decode_step, args.repeats, warmup=3)
-    step_ms = min(step_ms_before, step_ms_after)
-    for row in rows:
-        fixed = row["build"] + row["verify_in"] + row["children"]
-        for label, (length, walk_ms, surgery_ms) in row.pop("per_length").items():
-            total = fixed + walk_ms + surgery_ms
-            row[label] = {"L": length, "walk": walk_ms, "surgery": surgery_ms, "total": total, "ratio": total / step_ms}
+    step_ms = statistics.median(step_times)
 
     # ---- report ----
     header = (
         f"Machine: {machine_info()}\n"
-        f"Baseline: 1-token decode step of SmolLM2-135M-Instruct (fp32, sdpa), KV cache of {ctx} tokens: "
-        f"**{step_ms:.2f} ms** (median of {args.repeats} after 3 warm-up steps, measured before and after the pieces: "
-        f"{step_ms_before:.2f} / {step_ms_after:.2f} ms; the faster is used).\n"
+        f"Baseline: 1-token decode step of SmolLM2-135M-Instruct ({args.dtype}, sdpa), KV cache of {ctx} tokens: "
+        f"**{step_ms:.2f} ms** (median of all {len(step_times)} timed steps; per budget, {args.repeats} steps after "
+        f"3 warm-up rounds, timed round-robin with the pieces so both see the same load: column `step`).\n"
         f"Draft: depth {args.depth}, width {args.width}, vocab {vocab}; peaked random draft logits "
         f"(mean top-1 probability {top1.mean():.2f}, min {top1.min():.2f}, max {top1.max():.2f}). "
         f"`log_softmax` of the [{args.depth}, {vocab}] draft logits (part of drafting, not in the totals): "
         f"{softmax_ms:.3f} ms.\n"
         f"Cache for the surgery: filled by real SmolLM2 forwards (prefill of {ctx} random tokens + one tree verify "
-        f"forward over the n nodes), 30 layers x 3 KV heads x head_dim 64, fp32.\n"
+        f"forward over the n nodes), 30 layers x 3 KV heads x head_dim 64, {args.dtype}.\n"
         f"All times are medians of {args.repeats} calls in ms; L = nodes on the accepted path = tokens committed "
         f"(bonus included). total = build + verify inputs + children + "
-        f"walk + surgery; ratio = total / 1-token step.\n"
+        f"walk + surgery; ratio = total / step (the same budget's interleaved 1-token step); ratio (min) = the same "
+        f"with the minimum of each timing instead of the median (less sensitive to other load on a shared CPU). "
+        f"Load average (1 min) at start / end: {load_start:.2f} / {os.getloadavg()[0]:.2f}.\n"
     )
-    cols = ["budget", "n", "build", "verify in", "children", "L", "walk", "surgery", "total", "ratio",
-            "L", "walk", "surgery", "total", "ratio"]
+    cols = ["budget", "n", "step", "build", "verify in", "children", "L", "walk", "surgery", "total", "ratio",
+            "ratio (min)", "L", "walk", "surgery", "total", "ratio", "ratio (min)"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---:|" * len(cols)]
     for r in rows:
-        cells = [str(r["budget"]), str(r["n"]), f"{r['build']:.3f}", f"{r['verify_in']:.3f}", f"{r['children']:.3f}"]
+        cells = [str(r["budget"]), str(r["n"]), f"{r['step']:.1f}", f"{r['build']:.3f}", f"{r['verify_in']:.3f}", f"{r['children']:.3f}"]
         for label in ("typ", "deep"):
             p = r[label]
             cells += [str(p["L"]), f"{p['walk']:.3f}", f"{p['surgery']:.3f}", f"{p['total']:.3f}",
-                      f"{p['ratio']:.1%}"]
+                      f"{p['ratio']:.1%}", f"{p['ratio_min']:.1%}"]
         lines.append("| " + " | ".join(cells) + " |")
     note = (
         "\nThe first `L/walk/surgery/total/ratio` group is a typical accepted path (L = "

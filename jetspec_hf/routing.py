@@ -53,6 +53,9 @@ def check_head_fits_target(head, target) -> None:
         problems.append(f"mask_token_id {head_config.mask_token_id} is outside the target vocabulary (size {target_vocab})")
     if problems:
         raise ValueError("this JetSpec head does not fit the target model: " + "; ".join(problems))
+
+
+def check_target_can_verify(target) -> None:
     if target.config._attn_implementation not in ("eager", "sdpa"):
         raise ValueError(
             f"tree verification needs an attention implementation that takes a 4-D mask; the target uses "
@@ -119,6 +122,7 @@ def install_generate_hook() -> None:
             head.config, **{name: arguments.pop(name) for name in TREE_ARGUMENTS if name in arguments}
         )
         check_head_fits_target(head, self)
+        check_target_can_verify(self)
         move_stop_strings_to_criteria(self, arguments)
         candidate_generator = JetSpecCandidateGenerator(head, self, **tree_arguments)
         arguments.update(

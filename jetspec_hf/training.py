@@ -33,6 +33,8 @@ from torch import nn
 from transformers import Trainer, TrainingArguments
 from transformers.utils import logging
 
+from .routing import check_head_fits_target
+
 
 logger = logging.get_logger(__name__)
 
@@ -450,23 +452,7 @@ def check_recipe(num_anchors: int, loss_type: str, kd_temperature: float, gamma:
 
 def check_head_trains_on_target(head, target) -> None:
     """Raise, naming what mismatched, when `head` cannot be trained on `target`'s taps, embeddings and lm_head."""
-    config, target_config = head.config, target.config.get_text_config()
-    problems = []
-    if config.hidden_size != target_config.hidden_size:
-        problems.append(f"hidden size: head {config.hidden_size}, target {target_config.hidden_size}")
-    vocab = target.get_input_embeddings().weight.shape[0]
-    if config.vocab_size != vocab:
-        problems.append(f"vocabulary size: head {config.vocab_size}, target {vocab}")
-    num_layers = target_config.num_hidden_layers
-    bad_taps = [i for i in config.target_layer_ids if not 0 <= i <= num_layers - 2]
-    if bad_taps:  # hidden_states[L] is the final-normed output in transformers, not layer L-1's raw output
-        problems.append(f"target_layer_ids {bad_taps} out of range 0..{num_layers - 2}")
-    if len(config.target_layer_ids) * config.hidden_size != head.fc.in_features:
-        problems.append(f"{len(config.target_layer_ids)} taps do not match the fusion layer ({head.fc.in_features})")
-    if config.mask_token_id is None or not 0 <= config.mask_token_id < vocab:
-        problems.append(f"mask_token_id {config.mask_token_id} is not a token of the target (vocabulary {vocab})")
-    if problems:
-        raise ValueError("this JetSpec head cannot be trained on this target: " + "; ".join(problems))
+    check_head_fits_target(head, target)
     if head.config._attn_implementation.startswith("flash"):
         raise ValueError(
             "training packs all blocks in one forward with a 4-D mask, which flash attention cannot take: "
