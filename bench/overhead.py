@@ -3,18 +3,19 @@
     python bench/overhead.py [--budgets 8,32,64,128,256] [--width 7] [--depth 15] [--context 512] [--repeats N]
                              [--markdown OUT.md] [--dtype float32|bfloat16]
 
-Baseline (same run): one 1-token decode step of SmolLM2-135M-Instruct (fp32 by default, sdpa) on a KV cache of `--context`
-tokens, median of repeats after warm-up. For each tree budget, the pieces `tree_generate` runs outside the head
-forward and the target verify forward, each calling the library's own functions:
+Baseline (same run): one 1-token decode step of SmolLM2-135M-Instruct (fp32 by default, sdpa) on a KV cache of
+`--context` tokens, median of repeats after warm-up. For each tree budget, the pieces `tree_generate` runs outside
+the head forward and the target verify forward, each calling the library's own functions:
 
     log_softmax  `torch.log_softmax` of the [depth, V] draft logits (part of drafting; reported apart, not in total)
     build        `build_tree` (top-k included)
     verify_in    `tree_attention_mask` (ancestor mask included, all-ones 2-D prefix mask like generate() passes),
                  the prefix-mask extension and root position of the loop, position ids, input ids
     children     `DraftTree.children()`
-    walk@L       `walk_tree` with the loop's greedy `pick` (argmax over one [1, V] row of the [n, V] node logits of
-                 the model's dtype, cast to float32 per visited row as the loop does; a no-op in fp32) and `commit` (append to the sequence, generate()'s StoppingCriteriaList with MaxLengthCriteria
-                 and EosTokenCriteria), for an accepted path of L nodes (L tokens committed, bonus included)
+    walk@L       `walk_tree` with the loop's greedy `pick` (argmax over one [1, V] row of the [n, V] node logits,
+                 cast to float32 per visited row as the loop does: a no-op in fp32) and `commit` (append to the
+                 sequence, generate()'s StoppingCriteriaList with MaxLengthCriteria and EosTokenCriteria), for an
+                 accepted path of L nodes (L tokens committed, bonus included)
     surgery@L    `keep_path_in_cache` on a DynamicCache filled by real SmolLM2 forwards: prefill of `--context`
                  tokens, then one tree verify forward over the n nodes (30 layers, 3 KV heads, head_dim 64)
 
@@ -276,7 +277,8 @@ def main(argv=None) -> int:
                "children": med["children"]}
         for label, path in paths.items():
             total = med["build"] + med["verify_in"] + med["children"] + med[f"walk_{label}"] + med[f"surgery_{label}"]
-            total_min = sum(low[name] for name in ("build", "verify_in", "children", f"walk_{label}", f"surgery_{label}"))
+            pieces = ("build", "verify_in", "children", f"walk_{label}", f"surgery_{label}")
+            total_min = sum(low[name] for name in pieces)
             row[label] = {"L": len(path), "walk": med[f"walk_{label}"], "surgery": med[f"surgery_{label}"],
                           "total": total, "ratio": total / med["step"], "ratio_min": total_min / low["step"]}
         rows.append(row)
@@ -304,7 +306,8 @@ def main(argv=None) -> int:
             "ratio (min)", "L", "walk", "surgery", "total", "ratio", "ratio (min)"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---:|" * len(cols)]
     for r in rows:
-        cells = [str(r["budget"]), str(r["n"]), f"{r['step']:.1f}", f"{r['build']:.3f}", f"{r['verify_in']:.3f}", f"{r['children']:.3f}"]
+        cells = [str(r["budget"]), str(r["n"]), f"{r['step']:.1f}", f"{r['build']:.3f}", f"{r['verify_in']:.3f}",
+                 f"{r['children']:.3f}"]
         for label in ("typ", "deep"):
             p = r[label]
             cells += [str(p["L"]), f"{p['walk']:.3f}", f"{p['surgery']:.3f}", f"{p['total']:.3f}",
