@@ -168,8 +168,13 @@ def main(argv=None) -> int:
     step_pos = torch.tensor([[ctx]])
 
     def decode_step(_):
-        model(input_ids=step_token, attention_mask=step_mask, position_ids=step_pos, past_key_values=prefix_cache,
-              use_cache=True)
+        model(
+            input_ids=step_token,
+            attention_mask=step_mask,
+            position_ids=step_pos,
+            past_key_values=prefix_cache,
+            use_cache=True,
+        )
         prefix_cache.crop(-1)  # back to `ctx` tokens (cheap slice; timed with the step)
 
     step_times = []
@@ -199,7 +204,6 @@ def main(argv=None) -> int:
             tree.tokens[None]
             tree_attention_mask(tree, pad_keep, past_len, model.dtype, "cpu")
             (root_position + tree.depths)[None]
-
 
         # Real tree-verify forward to fill the cache exactly as the loop does (prefix + n tree rows).
         verify_cache = clone_cache(prefix_cache)
@@ -231,7 +235,8 @@ def main(argv=None) -> int:
         }
         paths = {}
         for label, walked_tree, length, filled_cache in (
-            ("typ", tree, args.path_length, verify_cache), ("deep", deep_tree, args.depth + 1, deep_cache)
+            ("typ", tree, args.path_length, verify_cache),
+            ("deep", deep_tree, args.depth + 1, deep_cache),
         ):
             path = chain_path(walked_tree, length)
             node_logits = node_logits_for_path(walked_tree, path, vocab, generator, model.dtype)
@@ -273,14 +278,26 @@ def main(argv=None) -> int:
         step_times += times["step"]
         med = {name: statistics.median(ts) for name, ts in times.items()}
         low = {name: min(ts) for name, ts in times.items()}
-        row = {"budget": budget, "n": n, "step": med["step"], "build": med["build"], "verify_in": med["verify_in"],
-               "children": med["children"]}
+        row = {
+            "budget": budget,
+            "n": n,
+            "step": med["step"],
+            "build": med["build"],
+            "verify_in": med["verify_in"],
+            "children": med["children"],
+        }
         for label, path in paths.items():
             total = med["build"] + med["verify_in"] + med["children"] + med[f"walk_{label}"] + med[f"surgery_{label}"]
             pieces = ("build", "verify_in", "children", f"walk_{label}", f"surgery_{label}")
             total_min = sum(low[name] for name in pieces)
-            row[label] = {"L": len(path), "walk": med[f"walk_{label}"], "surgery": med[f"surgery_{label}"],
-                          "total": total, "ratio": total / med["step"], "ratio_min": total_min / low["step"]}
+            row[label] = {
+                "L": len(path),
+                "walk": med[f"walk_{label}"],
+                "surgery": med[f"surgery_{label}"],
+                "total": total,
+                "ratio": total / med["step"],
+                "ratio_min": total_min / low["step"],
+            }
         rows.append(row)
     step_ms = statistics.median(step_times)
 
@@ -302,16 +319,46 @@ def main(argv=None) -> int:
         f"with the minimum of each timing instead of the median (less sensitive to other load on a shared CPU). "
         f"Load average (1 min) at start / end: {load_start:.2f} / {os.getloadavg()[0]:.2f}.\n"
     )
-    cols = ["budget", "n", "step", "build", "verify in", "children", "L", "walk", "surgery", "total", "ratio",
-            "ratio (min)", "L", "walk", "surgery", "total", "ratio", "ratio (min)"]
+    cols = [
+        "budget",
+        "n",
+        "step",
+        "build",
+        "verify in",
+        "children",
+        "L",
+        "walk",
+        "surgery",
+        "total",
+        "ratio",
+        "ratio (min)",
+        "L",
+        "walk",
+        "surgery",
+        "total",
+        "ratio",
+        "ratio (min)",
+    ]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---:|" * len(cols)]
     for r in rows:
-        cells = [str(r["budget"]), str(r["n"]), f"{r['step']:.1f}", f"{r['build']:.3f}", f"{r['verify_in']:.3f}",
-                 f"{r['children']:.3f}"]
+        cells = [
+            str(r["budget"]),
+            str(r["n"]),
+            f"{r['step']:.1f}",
+            f"{r['build']:.3f}",
+            f"{r['verify_in']:.3f}",
+            f"{r['children']:.3f}",
+        ]
         for label in ("typ", "deep"):
             p = r[label]
-            cells += [str(p["L"]), f"{p['walk']:.3f}", f"{p['surgery']:.3f}", f"{p['total']:.3f}",
-                      f"{p['ratio']:.1%}", f"{p['ratio_min']:.1%}"]
+            cells += [
+                str(p["L"]),
+                f"{p['walk']:.3f}",
+                f"{p['surgery']:.3f}",
+                f"{p['total']:.3f}",
+                f"{p['ratio']:.1%}",
+                f"{p['ratio_min']:.1%}",
+            ]
         lines.append("| " + " | ".join(cells) + " |")
     note = (
         "\nThe first `L/walk/surgery/total/ratio` group is a typical accepted path (L = "
@@ -320,8 +367,13 @@ def main(argv=None) -> int:
         "nodes), on the sharp-draft tree of the same size.\n"
     )
     command = "python bench/overhead.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = f"### Per-step overhead outside the forwards\n\nCommand: `{command.strip()}`\n\n" + header.replace(
-        "\n", "\n\n") + "\n".join(lines) + "\n" + note
+    text = (
+        f"### Per-step overhead outside the forwards\n\nCommand: `{command.strip()}`\n\n"
+        + header.replace("\n", "\n\n")
+        + "\n".join(lines)
+        + "\n"
+        + note
+    )
     print(text)
     if args.markdown:
         out = Path(args.markdown)

@@ -28,7 +28,6 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 from transformers.utils import logging
 
-
 logger = logging.get_logger(__name__)
 
 ConversationSource = str | os.PathLike | Iterable[dict[str, Any]]

@@ -45,13 +45,18 @@ def main(argv=None) -> int:
     print("[demo] loading SmolLM2-135M-Instruct (converted from GGUF on first use) ...", file=sys.stderr)
     target, tokenizer = load_smollm2(dtype=torch.float32)
     head = JetSpecDraftHead.from_pretrained(args.head)
-    print(f"[demo] head: {args.head} ({'JetSpec causal' if head.config.causal else 'DFlash bidirectional'}, "
-          f"block {head.config.block_size}, taps {head.config.target_layer_ids})", file=sys.stderr)
+    print(
+        f"[demo] head: {args.head} ({'JetSpec causal' if head.config.causal else 'DFlash bidirectional'}, "
+        f"block {head.config.block_size}, taps {head.config.target_layer_ids})",
+        file=sys.stderr,
+    )
     tree = {} if args.tree_budget is None else {"tree_budget": args.tree_budget}
     settings = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
 
     # Warm-up: the first forwards of a process are slow (allocations, kernel selection), for both methods alike.
-    warm = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, return_tensors="pt")
+    warm = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, return_tensors="pt"
+    )
     warm = warm["input_ids"] if hasattr(warm, "keys") else warm
     target.generate(warm, max_new_tokens=8)
     target.generate(warm, assistant_model=head, max_new_tokens=8, **tree)
@@ -59,7 +64,9 @@ def main(argv=None) -> int:
     totals = {"plain_s": 0.0, "jetspec_s": 0.0, "tokens": 0, "steps": 0, "committed": 0}
     identical = True
     for i, prompt in enumerate(args.prompt or DEMO_PROMPTS, start=1):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt")
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt"
+        )
         ids = ids["input_ids"] if hasattr(ids, "keys") else ids
         print(f"\n### prompt {i}: {prompt}\n")
         plain, plain_s = timed_generate(target, ids, **settings)
@@ -69,8 +76,10 @@ def main(argv=None) -> int:
         new = fast.shape[1] - ids.shape[1]
         same = torch.equal(plain, fast)
         identical &= same
-        print(f"\n[plain {new / plain_s:.1f} tok/s | jetspec {new / fast_s:.1f} tok/s | tau {stats.tau:.2f} | "
-              f"speedup {plain_s / fast_s:.2f}x | same tokens as plain: {same}]")
+        print(
+            f"\n[plain {new / plain_s:.1f} tok/s | jetspec {new / fast_s:.1f} tok/s | tau {stats.tau:.2f} | "
+            f"speedup {plain_s / fast_s:.2f}x | same tokens as plain: {same}]"
+        )
         totals["plain_s"] += plain_s
         totals["jetspec_s"] += fast_s
         totals["tokens"] += new

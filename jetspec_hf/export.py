@@ -105,7 +105,9 @@ def dflash_config_dict(head: JetSpecDraftHead) -> dict:
     return out
 
 
-def save_dflash_format(head: JetSpecDraftHead, save_directory: str | os.PathLike, safe_serialization: bool = True) -> str:
+def save_dflash_format(
+    head: JetSpecDraftHead, save_directory: str | os.PathLike, safe_serialization: bool = True
+) -> str:
     """Write `head` to `save_directory` in the authors' DFlash-style format, for vLLM/SGLang `dflash` drafters.
 
     Writes `config.json` (Qwen3 fields, `architectures: ["DFlashDraftModel"]`, top-level `block_size` and

@@ -99,7 +99,9 @@ class JetSpecCandidateGenerator:
         return build_tree(root_token, draft_logprobs.cpu(), self.tree_budget, self.tree_width)
 
 
-def tree_attention_mask(tree: DraftTree, prefix_keep: torch.Tensor | None, past_len: int, dtype, device) -> torch.Tensor:
+def tree_attention_mask(
+    tree: DraftTree, prefix_keep: torch.Tensor | None, past_len: int, dtype, device
+) -> torch.Tensor:
     """Additive `[1, 1, n, past_len + n]` mask: every node sees the (unpadded) prefix, itself and its ancestors."""
     n = len(tree)
     keep = torch.ones(n, past_len + n, dtype=torch.bool)
@@ -161,7 +163,8 @@ def check_generation_config(generation_config: GenerationConfig, batch_size: int
     }
     for name, bad in unsupported.items():
         if bad:
-            raise ValueError(f"JetSpec tree decoding does not support `{name}` (got {getattr(generation_config, name.split('=')[0])})")
+            value = getattr(generation_config, name.split("=")[0])
+            raise ValueError(f"JetSpec tree decoding does not support `{name}` (got {value})")
     if batch_size != 1:
         raise ValueError(f"JetSpec tree decoding supports batch size 1 only, got a batch of {batch_size} sequences")
 
@@ -184,7 +187,9 @@ def tree_generate(
     wrapper hands it over again as `jetspec_streamer`.
     """
     if candidate_generator is None:
-        raise ValueError("tree_generate needs a `candidate_generator` (pass assistant_model=<JetSpec head> to generate)")
+        raise ValueError(
+            "tree_generate needs a `candidate_generator` (pass assistant_model=<JetSpec head> to generate)"
+        )
     if synced_gpus:
         raise ValueError("JetSpec tree decoding does not support `synced_gpus`")
     check_generation_config(generation_config, input_ids.shape[0])
@@ -295,7 +300,5 @@ def tree_generate(
     if streamer is not None:
         streamer.end()
     if return_dict:
-        return GenerateDecoderOnlyOutput(
-            sequences=sequence, scores=scores, logits=raw_logits, **{cache_name: cache}
-        )
+        return GenerateDecoderOnlyOutput(sequences=sequence, scores=scores, logits=raw_logits, **{cache_name: cache})
     return sequence

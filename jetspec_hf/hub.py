@@ -276,7 +276,7 @@ When `jetspec-hf` is installed, its registered classes take precedence over the 
         without_package = (
             "This repository does not ship modeling code (no `auto_map` in `config.json`): install `jetspec-hf` to "
             "load it. With the package installed, transformers' own DFlash chain mode also works: "
-            "`target.generate(ids, assistant_model=head, speculation_type=\"dflash\")`."
+            '`target.generate(ids, assistant_model=head, speculation_type="dflash")`.'
         )
 
     export = f"""Serving engines with a DFlash-style drafter (vLLM, SGLang) read the authors' DFlash checkpoint format
@@ -434,9 +434,7 @@ def push_head_to_hub(
             if config.target_model is None:
                 config.target_model = target_model
             transformers_hub.create_and_tag_model_card = card_for_push
-            return head.push_to_hub(
-                repo_id, private=private, token=token, commit_message=commit_message, **push_kwargs
-            )
+            return head.push_to_hub(repo_id, private=private, token=token, commit_message=commit_message, **push_kwargs)
         finally:
             transformers_hub.create_and_tag_model_card = saved_card_fn
             _restore_class_attr(model_class, "_auto_class", saved_model_auto)

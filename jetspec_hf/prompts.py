@@ -93,13 +93,36 @@ SOURCE_WEIGHTS = {
 # but any candidate that mentions one of these is dropped, so that the prompt set can
 # never leak (or be mistaken for) that evaluation set.
 _HUMANEVAL_MARKERS = (
-    "has_close_elements", "separate_paren_groups", "truncate_number", "below_zero",
-    "mean_absolute_deviation", "intersperse", "parse_nested_parens", "filter_by_substring",
-    "rolling_max", "make_palindrome", "string_xor", "greatest_common_divisor", "all_prefixes",
-    "count_distinct_characters", "parse_music", "how_many_times", "find_closest_elements",
-    "rescale_to_unit", "filter_integers", "largest_divisor", "filter_by_prefix",
-    "triples_sum_to_zero", "car_race_collision", "pairs_sum_to_zero", "largest_prime_factor",
-    "strange_sort_list", "fruit_distribution", "humaneval", "human_eval", "human-eval",
+    "has_close_elements",
+    "separate_paren_groups",
+    "truncate_number",
+    "below_zero",
+    "mean_absolute_deviation",
+    "intersperse",
+    "parse_nested_parens",
+    "filter_by_substring",
+    "rolling_max",
+    "make_palindrome",
+    "string_xor",
+    "greatest_common_divisor",
+    "all_prefixes",
+    "count_distinct_characters",
+    "parse_music",
+    "how_many_times",
+    "find_closest_elements",
+    "rescale_to_unit",
+    "filter_integers",
+    "largest_divisor",
+    "filter_by_prefix",
+    "triples_sum_to_zero",
+    "car_race_collision",
+    "pairs_sum_to_zero",
+    "largest_prime_factor",
+    "strange_sort_list",
+    "fruit_distribution",
+    "humaneval",
+    "human_eval",
+    "human-eval",
     "closer to each other than given threshold",
 )
 
@@ -148,18 +171,100 @@ def _seeded(seed: int, *parts: object) -> random.Random:
 # Modules that are cheap and side-effect free to import everywhere.  (Never: this,
 # antigravity, turtle, tkinter, idlelib, webbrowser, ...)
 STDLIB_MODULES = (
-    "abc", "argparse", "ast", "asyncio", "base64", "bisect", "builtins", "calendar", "cmath", "cmd",
-    "codecs", "collections", "collections.abc", "colorsys", "concurrent.futures", "configparser",
-    "contextlib", "copy", "csv", "dataclasses", "datetime", "decimal", "difflib", "dis", "doctest",
-    "email.utils", "enum", "filecmp", "fileinput", "fnmatch", "fractions", "functools", "getopt",
-    "gettext", "glob", "graphlib", "gzip", "hashlib", "heapq", "hmac", "html", "html.parser",
-    "http.cookies", "inspect", "ipaddress", "itertools", "json", "keyword", "linecache", "locale",
-    "logging", "math", "mimetypes", "numbers", "operator", "os", "os.path", "pathlib", "pickle",
-    "platform", "pprint", "queue", "quopri", "random", "re", "reprlib", "sched", "secrets", "shlex",
-    "shutil", "statistics", "string", "struct", "subprocess", "tarfile", "tempfile", "textwrap",
-    "threading", "time", "timeit", "tokenize", "tomllib", "traceback", "types", "typing",
-    "unicodedata", "unittest", "urllib.parse", "uuid", "warnings", "weakref",
-    "xml.etree.ElementTree", "zipfile", "zlib",
+    "abc",
+    "argparse",
+    "ast",
+    "asyncio",
+    "base64",
+    "bisect",
+    "builtins",
+    "calendar",
+    "cmath",
+    "cmd",
+    "codecs",
+    "collections",
+    "collections.abc",
+    "colorsys",
+    "concurrent.futures",
+    "configparser",
+    "contextlib",
+    "copy",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "decimal",
+    "difflib",
+    "dis",
+    "doctest",
+    "email.utils",
+    "enum",
+    "filecmp",
+    "fileinput",
+    "fnmatch",
+    "fractions",
+    "functools",
+    "getopt",
+    "gettext",
+    "glob",
+    "graphlib",
+    "gzip",
+    "hashlib",
+    "heapq",
+    "hmac",
+    "html",
+    "html.parser",
+    "http.cookies",
+    "inspect",
+    "ipaddress",
+    "itertools",
+    "json",
+    "keyword",
+    "linecache",
+    "locale",
+    "logging",
+    "math",
+    "mimetypes",
+    "numbers",
+    "operator",
+    "os",
+    "os.path",
+    "pathlib",
+    "pickle",
+    "platform",
+    "pprint",
+    "queue",
+    "quopri",
+    "random",
+    "re",
+    "reprlib",
+    "sched",
+    "secrets",
+    "shlex",
+    "shutil",
+    "statistics",
+    "string",
+    "struct",
+    "subprocess",
+    "tarfile",
+    "tempfile",
+    "textwrap",
+    "threading",
+    "time",
+    "timeit",
+    "tokenize",
+    "tomllib",
+    "traceback",
+    "types",
+    "typing",
+    "unicodedata",
+    "unittest",
+    "urllib.parse",
+    "uuid",
+    "warnings",
+    "weakref",
+    "xml.etree.ElementTree",
+    "zipfile",
+    "zlib",
 )
 
 MAX_SOURCE_CHARS = 800
@@ -216,8 +321,12 @@ def _strip_docstring(src: str) -> str | None:
     """``src`` without the function's docstring (comments kept), or None if nothing is left."""
     func = ast.parse(src).body[0]
     body = func.body
-    if not (body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
-            and isinstance(body[0].value.value, str)):
+    if not (
+        body
+        and isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant)
+        and isinstance(body[0].value.value, str)
+    ):
         return src
     if len(body) == 1:
         return None
@@ -303,7 +412,7 @@ _IMPLEMENT_TEMPLATES = (
     "Write a Python function `{name}{sig}` that does the following:\n\n{summary}",
     "Implement `{name}{sig}` in Python from this description (without importing `{module}`):\n\n{summary}",
     (
-        "Here is a description of a function:\n\n\"{summary}\"\n\nWrite a Python implementation of `{name}{sig}` "
+        'Here is a description of a function:\n\n"{summary}"\n\nWrite a Python implementation of `{name}{sig}` '
         "and explain how it works."
     ),
 )
@@ -434,13 +543,13 @@ def _chunks(body: str, lo: int = 250, hi: int = 750) -> Iterator[str]:
 
 
 _TOPIC_TEMPLATES = (
-    "Explain \"{title}\" in Python, as described in the language reference, with a short example.",
+    'Explain "{title}" in Python, as described in the language reference, with a short example.',
     "What should every Python programmer know about {title_l}? Keep it concise and give examples.",
     "Write a short quiz (three questions with answers) about {title_l} in Python.",
     "What are common mistakes related to {title_l} in Python, and how do I avoid them?",
 )
 _EXCERPT_TEMPLATES = (
-    "Here is an excerpt from the Python language reference (\"{title}\"):\n\n{text}\n\nExplain it in simple terms.",
+    'Here is an excerpt from the Python language reference ("{title}"):\n\n{text}\n\nExplain it in simple terms.',
     "Summarize this passage from the Python documentation in two or three sentences:\n\n{text}",
     (
         "Read this part of the Python reference about {title_l}:\n\n{text}\n\nWrite a short code example that "
@@ -455,6 +564,7 @@ _PROPER_NOUNS = {"Python", "Unicode", "Boolean", "Ellipsis", "None", "True", "Fa
 
 def _lower_title(title: str) -> str:
     """'Type Objects' -> 'type objects', 'The "with" statement' -> 'the "with" statement'; keeps 'CPython', 'I/O'."""
+
     def lower(word: str) -> str:
         core = word.strip("()\"'*,.")
         if core in _PROPER_NOUNS or not (core[:1].isupper() and core[1:].islower() and core.isalpha()):
@@ -529,9 +639,9 @@ class _ParagraphParser(html.parser.HTMLParser):
 
 
 _DOCS_TEMPLATES = (
-    "Explain this passage from the Python documentation (section \"{h}\") in simple terms:\n\n{text}",
+    'Explain this passage from the Python documentation (section "{h}") in simple terms:\n\n{text}',
     "Summarize this paragraph from the Python library documentation in one or two sentences:\n\n{text}",
-    "The Python docs on \"{h}\" say:\n\n{text}\n\nShow a short code example of this.",
+    'The Python docs on "{h}" say:\n\n{text}\n\nShow a short code example of this.',
 )
 
 
@@ -559,24 +669,97 @@ def _python_docs_candidates(seed: int, docs_dir: Path) -> list[Candidate]:
 # --------------------------------------------------------------------------------------
 
 _CONCEPTS = (
-    "photosynthesis", "the water cycle", "inflation", "compound interest", "recursion", "plate tectonics",
-    "supply and demand", "the greenhouse effect", "vaccines", "black holes", "natural selection", "electricity",
-    "the internet", "public-key cryptography", "machine learning", "a hash table", "binary numbers",
-    "the immune system", "gravity", "democracy", "opportunity cost", "the scientific method", "entropy",
-    "the Pythagorean theorem", "probability", "version control", "DNS", "caching", "a database index",
-    "big-O notation", "the stock market", "climate change", "the moon's phases", "tides", "rainbows",
-    "antibiotics", "the placebo effect", "cognitive bias", "a budget", "interest rates", "renewable energy",
-    "nuclear fission", "the speed of light", "sound waves", "magnetism", "evolution of languages",
-    "the French Revolution", "the printing press", "the Silk Road", "the Renaissance", "time zones",
-    "leap years", "the metric system", "composting", "sleep cycles", "muscle memory", "habits",
-    "unit testing", "garbage collection", "an API", "open source software", "encryption", "compilers",
-    "operating systems", "cloud computing", "a neural network", "statistics averages", "correlation and causation",
-    "a sorting algorithm", "a linked list", "a queue", "a stack", "the Fibonacci sequence", "prime numbers",
-    "fractions", "percentages", "volcanoes", "earthquakes", "the seasons", "ocean currents", "bees and pollination",
+    "photosynthesis",
+    "the water cycle",
+    "inflation",
+    "compound interest",
+    "recursion",
+    "plate tectonics",
+    "supply and demand",
+    "the greenhouse effect",
+    "vaccines",
+    "black holes",
+    "natural selection",
+    "electricity",
+    "the internet",
+    "public-key cryptography",
+    "machine learning",
+    "a hash table",
+    "binary numbers",
+    "the immune system",
+    "gravity",
+    "democracy",
+    "opportunity cost",
+    "the scientific method",
+    "entropy",
+    "the Pythagorean theorem",
+    "probability",
+    "version control",
+    "DNS",
+    "caching",
+    "a database index",
+    "big-O notation",
+    "the stock market",
+    "climate change",
+    "the moon's phases",
+    "tides",
+    "rainbows",
+    "antibiotics",
+    "the placebo effect",
+    "cognitive bias",
+    "a budget",
+    "interest rates",
+    "renewable energy",
+    "nuclear fission",
+    "the speed of light",
+    "sound waves",
+    "magnetism",
+    "evolution of languages",
+    "the French Revolution",
+    "the printing press",
+    "the Silk Road",
+    "the Renaissance",
+    "time zones",
+    "leap years",
+    "the metric system",
+    "composting",
+    "sleep cycles",
+    "muscle memory",
+    "habits",
+    "unit testing",
+    "garbage collection",
+    "an API",
+    "open source software",
+    "encryption",
+    "compilers",
+    "operating systems",
+    "cloud computing",
+    "a neural network",
+    "statistics averages",
+    "correlation and causation",
+    "a sorting algorithm",
+    "a linked list",
+    "a queue",
+    "a stack",
+    "the Fibonacci sequence",
+    "prime numbers",
+    "fractions",
+    "percentages",
+    "volcanoes",
+    "earthquakes",
+    "the seasons",
+    "ocean currents",
+    "bees and pollination",
 )
 _AUDIENCES = (
-    "a ten-year-old", "a high-school student", "a busy manager", "my grandmother", "a university student",
-    "someone who has never heard of it", "a software engineer", "a five-year-old",
+    "a ten-year-old",
+    "a high-school student",
+    "a busy manager",
+    "my grandmother",
+    "a university student",
+    "someone who has never heard of it",
+    "a software engineer",
+    "a five-year-old",
 )
 _SENTENCES = (
     "The meeting has been moved to Thursday because the manager is travelling.",
@@ -601,48 +784,142 @@ _SENTENCES = (
     "Customers can return products within thirty days of purchase.",
 )
 _STYLES = (
-    "more formal", "more casual", "shorter", "more polite", "more enthusiastic", "suitable for a child",
-    "in the passive voice", "as a question", "as a newspaper headline", "in the style of a pirate",
-    "without using the letter 'e' where possible", "as a tweet",
+    "more formal",
+    "more casual",
+    "shorter",
+    "more polite",
+    "more enthusiastic",
+    "suitable for a child",
+    "in the passive voice",
+    "as a question",
+    "as a newspaper headline",
+    "in the style of a pirate",
+    "without using the letter 'e' where possible",
+    "as a tweet",
 )
 _TASKS = (
-    "make a cup of tea", "change a flat bicycle tyre", "set up a Python virtual environment", "plant a tree",
-    "write a cover letter", "prepare for a job interview", "bake bread", "learn to juggle", "start a vegetable garden",
-    "clean a laptop keyboard", "plan a birthday party", "create a monthly budget", "back up a computer",
-    "make a paper airplane", "train a puppy to sit", "write a good commit message", "cook rice on a stove",
-    "organize a bookshelf", "prepare for a marathon", "set up a home Wi-Fi network", "give a short presentation",
-    "brew coffee with a French press", "study for an exam", "pack for a weekend trip", "debug a program",
-    "wash a wool sweater", "start journaling", "build a birdhouse", "make a smoothie", "learn touch typing",
+    "make a cup of tea",
+    "change a flat bicycle tyre",
+    "set up a Python virtual environment",
+    "plant a tree",
+    "write a cover letter",
+    "prepare for a job interview",
+    "bake bread",
+    "learn to juggle",
+    "start a vegetable garden",
+    "clean a laptop keyboard",
+    "plan a birthday party",
+    "create a monthly budget",
+    "back up a computer",
+    "make a paper airplane",
+    "train a puppy to sit",
+    "write a good commit message",
+    "cook rice on a stove",
+    "organize a bookshelf",
+    "prepare for a marathon",
+    "set up a home Wi-Fi network",
+    "give a short presentation",
+    "brew coffee with a French press",
+    "study for an exam",
+    "pack for a weekend trip",
+    "debug a program",
+    "wash a wool sweater",
+    "start journaling",
+    "build a birdhouse",
+    "make a smoothie",
+    "learn touch typing",
 )
 _CHARACTERS = (
-    "a lighthouse keeper", "a robot", "a young inventor", "a talking cat", "an old sailor", "a shy dragon",
-    "a detective", "a baker", "a lost astronaut", "a curious fox", "a librarian", "a time traveller",
-    "a street musician", "a retired teacher", "a penguin", "a gardener", "a knight", "a ghost",
+    "a lighthouse keeper",
+    "a robot",
+    "a young inventor",
+    "a talking cat",
+    "an old sailor",
+    "a shy dragon",
+    "a detective",
+    "a baker",
+    "a lost astronaut",
+    "a curious fox",
+    "a librarian",
+    "a time traveller",
+    "a street musician",
+    "a retired teacher",
+    "a penguin",
+    "a gardener",
+    "a knight",
+    "a ghost",
 )
 _EVENTS = (
-    "finds a mysterious map", "loses their voice", "discovers a hidden door", "makes an unlikely friend",
-    "has to solve a riddle", "wakes up in the future", "receives a letter from the past", "builds a machine",
-    "enters a cooking contest", "gets lost in a storm", "learns a secret", "has one day to save the town",
+    "finds a mysterious map",
+    "loses their voice",
+    "discovers a hidden door",
+    "makes an unlikely friend",
+    "has to solve a riddle",
+    "wakes up in the future",
+    "receives a letter from the past",
+    "builds a machine",
+    "enters a cooking contest",
+    "gets lost in a storm",
+    "learns a secret",
+    "has one day to save the town",
 )
 _SETTINGS = (
-    "a small fishing village", "a space station", "a busy city", "an enchanted forest", "a desert island",
-    "a snowy mountain", "an old library", "a floating market", "a train at night", "an underwater city",
+    "a small fishing village",
+    "a space station",
+    "a busy city",
+    "an enchanted forest",
+    "a desert island",
+    "a snowy mountain",
+    "an old library",
+    "a floating market",
+    "a train at night",
+    "an underwater city",
 )
 _POEM_TOPICS = (
-    "autumn leaves", "the ocean", "a city at night", "friendship", "a rainy Monday", "coffee", "the stars",
-    "a cat's nap", "learning to code", "spring", "an old tree", "the moon", "snow", "a long journey", "home",
+    "autumn leaves",
+    "the ocean",
+    "a city at night",
+    "friendship",
+    "a rainy Monday",
+    "coffee",
+    "the stars",
+    "a cat's nap",
+    "learning to code",
+    "spring",
+    "an old tree",
+    "the moon",
+    "snow",
+    "a long journey",
+    "home",
 )
 _COMPARISONS = (
-    ("Python", "JavaScript"), ("cats", "dogs"), ("tea", "coffee"), ("renting", "buying a home"),
-    ("a laptop", "a desktop computer"), ("trains", "planes for travel"), ("SQL", "NoSQL databases"),
-    ("electric cars", "petrol cars"), ("reading books", "listening to audiobooks"), ("TCP", "UDP"),
-    ("lists", "tuples in Python"), ("working from home", "working in an office"), ("solar", "wind power"),
-    ("a Roth IRA", "a traditional IRA"), ("mitosis", "meiosis"), ("weather", "climate"),
+    ("Python", "JavaScript"),
+    ("cats", "dogs"),
+    ("tea", "coffee"),
+    ("renting", "buying a home"),
+    ("a laptop", "a desktop computer"),
+    ("trains", "planes for travel"),
+    ("SQL", "NoSQL databases"),
+    ("electric cars", "petrol cars"),
+    ("reading books", "listening to audiobooks"),
+    ("TCP", "UDP"),
+    ("lists", "tuples in Python"),
+    ("working from home", "working in an office"),
+    ("solar", "wind power"),
+    ("a Roth IRA", "a traditional IRA"),
+    ("mitosis", "meiosis"),
+    ("weather", "climate"),
 )
 _RECIPIENTS = ("my landlord", "a colleague", "my manager", "a customer", "a teacher", "a neighbour", "a friend")
 _EMAIL_TOPICS = (
-    "a broken heating system", "rescheduling a meeting", "thanking them for their help", "a late payment",
-    "asking for a day off", "a noisy party next weekend", "a project update", "a recommendation letter",
+    "a broken heating system",
+    "rescheduling a meeting",
+    "thanking them for their help",
+    "a late payment",
+    "asking for a day off",
+    "a noisy party next weekend",
+    "a project update",
+    "a recommendation letter",
 )
 _CLASSIFY = (
     ("fruit or a vegetable", ("tomato", "carrot", "apple", "cucumber", "banana", "potato", "pepper", "avocado")),
@@ -678,39 +955,53 @@ def _math_problem(rng: random.Random) -> tuple[str, str]:
     if kind == 0:
         p, a = rng.randint(2, 9) / 4 + 0.25, rng.randint(2, 12)
         bill = next(b for b in (5, 10, 20, 50, 100) if b > a * p)
-        return "change", (f"A shop sells notebooks for {_money(p)} each. Maria buys {a} notebooks and pays with a "
-                          f"{_money(bill)} bill. How much change does she get?")
+        return "change", (
+            f"A shop sells notebooks for {_money(p)} each. Maria buys {a} notebooks and pays with a "
+            f"{_money(bill)} bill. How much change does she get?"
+        )
     if kind == 1:
         d, h, h2 = rng.randint(60, 600), rng.randint(2, 8), rng.randint(2, 10)
-        return "speed", (f"A train travels {d} km in {h} hours. What is its average speed, and how far would it "
-                         f"travel in {h2} hours at the same speed?")
+        return "speed", (
+            f"A train travels {d} km in {h} hours. What is its average speed, and how far would it "
+            f"travel in {h2} hours at the same speed?"
+        )
     if kind == 2:
         s, g, s2 = rng.choice((2, 4, 6, 8)), rng.randint(15, 60) * 10, rng.choice((3, 5, 10, 12, 16))
-        return "recipe", (f"A recipe for {s} servings needs {g} grams of flour. How much flour is needed for "
-                          f"{s2} servings?")
+        return "recipe", (
+            f"A recipe for {s} servings needs {g} grams of flour. How much flour is needed for {s2} servings?"
+        )
     if kind == 3:
         p, pct = rng.randint(20, 300), rng.choice((10, 15, 20, 25, 30, 40, 50))
         return "discount", f"A jacket costs {_money(p)}. It is on sale for {pct}% off. What is the sale price?"
     if kind == 4:
         a, m, later = rng.randint(4, 15), rng.randint(3, 6), rng.randint(2, 20)
-        return "ages", (f"Sam is {a} years old and his grandmother is {m} times as old. How old will his "
-                        f"grandmother be in {later} years, and how old will Sam be then?")
+        return "ages", (
+            f"Sam is {a} years old and his grandmother is {m} times as old. How old will his "
+            f"grandmother be in {later} years, and how old will Sam be then?"
+        )
     if kind == 5:
         n, k = rng.randint(3, 9), rng.randint(20, 120)
-        return "sharing", (f"{n} friends share {k} cookies equally. How many cookies does each friend get, and "
-                           f"how many are left over?")
+        return "sharing", (
+            f"{n} friends share {k} cookies equally. How many cookies does each friend get, and how many are left over?"
+        )
     if kind == 6:
         w, l, c = rng.randint(3, 30), rng.randint(3, 40), rng.randint(5, 25)
-        return "fence", (f"A rectangular garden is {w} m wide and {l} m long. Fencing costs {_money(c)} per metre. "
-                         f"How much does it cost to fence the whole garden?")
+        return "fence", (
+            f"A rectangular garden is {w} m wide and {l} m long. Fencing costs {_money(c)} per metre. "
+            f"How much does it cost to fence the whole garden?"
+        )
     if kind == 7:
         a, b = rng.sample((2, 3, 4, 5, 6, 8, 10, 12), 2)
-        return "pipes", (f"One pipe can fill a tank in {a} hours and another pipe can fill it in {b} hours. How "
-                         f"long does it take to fill the tank if both pipes are open?")
+        return "pipes", (
+            f"One pipe can fill a tank in {a} hours and another pipe can fill it in {b} hours. How "
+            f"long does it take to fill the tank if both pipes are open?"
+        )
     if kind == 8:
         p, r, y = rng.randint(5, 200) * 100, rng.choice((2, 3, 4, 5, 6)), rng.randint(2, 10)
-        return "interest", (f"You deposit {_money(p)} in an account that pays {r}% simple interest per year. How "
-                            f"much interest do you earn after {y} years, and what is the total balance?")
+        return "interest", (
+            f"You deposit {_money(p)} in an account that pays {r}% simple interest per year. How "
+            f"much interest do you earn after {y} years, and what is the total balance?"
+        )
     h, m, d = rng.randint(1, 11), rng.choice((0, 5, 10, 15, 20, 30, 40, 45, 50)), rng.randint(70, 190)
     return "time", f"A film starts at {h}:{m:02d} pm and lasts {d} minutes. At what time does it end?"
 
@@ -722,39 +1013,54 @@ def _general_prompt(rng: random.Random) -> tuple[str, str]:
     )[0]
     if kind == "explain":
         c, a = rng.choice(_CONCEPTS), rng.choice(_AUDIENCES)
-        tmpl = rng.choice((
-            "Explain {c} to {a}.",
-            "What is {c}? Explain it to {a} in a few sentences.",
-            "Give three real-world examples of {c} and explain each briefly.",
-            "What are common misconceptions about {c}?",
-            "Explain {c} using an analogy that {a} would understand.",
-            "Write a short FAQ (three questions and answers) about {c}.",
-        ))
+        tmpl = rng.choice(
+            (
+                "Explain {c} to {a}.",
+                "What is {c}? Explain it to {a} in a few sentences.",
+                "Give three real-world examples of {c} and explain each briefly.",
+                "What are common misconceptions about {c}?",
+                "Explain {c} using an analogy that {a} would understand.",
+                "Write a short FAQ (three questions and answers) about {c}.",
+            )
+        )
         return kind, tmpl.format(c=c, a=a)
     if kind == "rewrite":
         s, st = rng.choice(_SENTENCES), rng.choice(_STYLES)
         if st.startswith(("in ", "as ", "without ")):
-            return kind, f"Rewrite this sentence {st}: \"{s}\""
-        tmpl = rng.choice(("Rewrite this sentence so that it is {st}: \"{s}\"",
-                           "Make the following sentence {st}:\n\n{s}"))
+            return kind, f'Rewrite this sentence {st}: "{s}"'
+        tmpl = rng.choice(
+            ('Rewrite this sentence so that it is {st}: "{s}"', "Make the following sentence {st}:\n\n{s}")
+        )
         return kind, tmpl.format(s=s, st=st)
     if kind == "steps":
         t = rng.choice(_TASKS)
-        tmpl = rng.choice(("List the steps to {t}.", "How do I {t}? Give numbered steps.",
-                           "Write a checklist for someone who wants to {t}.",
-                           "What are the most common mistakes people make when they {t}?"))
+        tmpl = rng.choice(
+            (
+                "List the steps to {t}.",
+                "How do I {t}? Give numbered steps.",
+                "Write a checklist for someone who wants to {t}.",
+                "What are the most common mistakes people make when they {t}?",
+            )
+        )
         return kind, tmpl.format(t=t)
     if kind == "story":
         words = rng.choice((100, 150, 200, 250))
-        return kind, (f"Write a short story (about {words} words) about {rng.choice(_CHARACTERS)} who "
-                      f"{rng.choice(_EVENTS)} in {rng.choice(_SETTINGS)}.")
+        return kind, (
+            f"Write a short story (about {words} words) about {rng.choice(_CHARACTERS)} who "
+            f"{rng.choice(_EVENTS)} in {rng.choice(_SETTINGS)}."
+        )
     if kind == "poem":
         form = rng.choice(("a haiku", "a limerick", "a four-line poem", "a short rhyming poem", "a sonnet"))
         return kind, f"Write {form} about {rng.choice(_POEM_TOPICS)}."
     if kind == "compare":
         x, y = rng.choice(_COMPARISONS)
-        tmpl = rng.choice(("Compare {x} and {y}.", "What are the main differences between {x} and {y}?",
-                           "Should I choose {x} or {y}? List the pros and cons of each."))
+        tmpl = rng.choice(
+            (
+                "Compare {x} and {y}.",
+                "What are the main differences between {x} and {y}?",
+                "Should I choose {x} or {y}? List the pros and cons of each.",
+            )
+        )
         return kind, tmpl.format(x=x, y=y)
     if kind == "email":
         return kind, f"Write a short email to {rng.choice(_RECIPIENTS)} about {rng.choice(_EMAIL_TOPICS)}."
@@ -853,11 +1159,13 @@ def build_prompts(n: int, seed: int = 0, *, python_docs: bool | str | os.PathLik
                 continue
             seen.add(key)
             misses[name] = 0
-            rows.append({
-                "id": f"{source}/{task}/{subject}/{key}",
-                "source": source,
-                "messages": [{"role": "user", "content": content}],
-            })
+            rows.append(
+                {
+                    "id": f"{source}/{task}/{subject}/{key}",
+                    "source": source,
+                    "messages": [{"role": "user", "content": content}],
+                }
+            )
             added = True
             break
         if not added:

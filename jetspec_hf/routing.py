@@ -40,17 +40,23 @@ def check_head_fits_target(head, target) -> None:
         problems.append(f"vocabulary size: head {head_config.vocab_size}, target {target_vocab}")
     num_layers = target_config.num_hidden_layers
     if head_config.num_target_layers != num_layers:
-        problems.append(f"number of target layers: head trained for {head_config.num_target_layers}, target has {num_layers}")
+        problems.append(
+            f"number of target layers: head trained for {head_config.num_target_layers}, target has {num_layers}"
+        )
     bad_taps = [i for i in head_config.target_layer_ids if not 0 <= i <= num_layers - 2]
     if bad_taps:
         # transformers returns the last layer's output already final-normed, so taps stop one layer earlier.
         problems.append(f"target_layer_ids {bad_taps} out of range: valid taps are 0..{num_layers - 2}")
     if len(head_config.target_layer_ids) * head_config.hidden_size != head.fc.in_features:
-        problems.append(f"{len(head_config.target_layer_ids)} taps do not match the fusion layer ({head.fc.in_features} inputs)")
+        problems.append(
+            f"{len(head_config.target_layer_ids)} taps do not match the fusion layer ({head.fc.in_features} inputs)"
+        )
     if head_config.mask_token_id is None:
         problems.append("mask_token_id is missing from the head config")
     elif not 0 <= head_config.mask_token_id < target_vocab:
-        problems.append(f"mask_token_id {head_config.mask_token_id} is outside the target vocabulary (size {target_vocab})")
+        problems.append(
+            f"mask_token_id {head_config.mask_token_id} is outside the target vocabulary (size {target_vocab})"
+        )
     if problems:
         raise ValueError("this JetSpec head does not fit the target model: " + "; ".join(problems))
 

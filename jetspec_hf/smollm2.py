@@ -179,11 +179,7 @@ def _is_complete(path: Path) -> bool:
 
 
 def _check_config(config, where: str) -> None:
-    bad = {
-        k: (getattr(config, k, None), v)
-        for k, v in SMOLLM2_FACTS.items()
-        if getattr(config, k, None) != v
-    }
+    bad = {k: (getattr(config, k, None), v) for k, v in SMOLLM2_FACTS.items() if getattr(config, k, None) != v}
     if bad:
         detail = ", ".join(f"{k}={got!r} (expected {exp!r})" for k, (got, exp) in bad.items())
         raise RuntimeError(f"SmolLM2-135M-Instruct from {where} does not look right: {detail}")

@@ -22,7 +22,6 @@ optimizer and out of every checkpoint (the `Trainer`'s `model` *is* the head).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +33,6 @@ from transformers import Trainer, TrainingArguments
 from transformers.utils import logging
 
 from .routing import check_head_fits_target
-
 
 logger = logging.get_logger(__name__)
 
@@ -507,7 +505,9 @@ class JetSpecTrainer(Trainer):
         if target_model is None:
             raise ValueError("JetSpecTrainer needs the frozen target: JetSpecTrainer(head, args, target_model=...)")
         if args is not None and args.remove_unused_columns:
-            logger.warning("JetSpecTrainer reads input_ids/attention_mask/loss_mask: setting remove_unused_columns=False")
+            logger.warning(
+                "JetSpecTrainer reads input_ids/attention_mask/loss_mask: setting remove_unused_columns=False"
+            )
             args.remove_unused_columns = False
         if kwargs.get("data_collator") is None and kwargs.get("processing_class") is not None:
             try:

@@ -82,10 +82,18 @@ class JetSpecAttention(nn.Module):
         # Only read by flash-attention kernels (which take no explicit mask): bottom-right aligned causal attention
         # over [context ; block] is exactly the block-causal pattern.
         self.is_causal = config.causal
-        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=config.attention_bias)
-        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias)
-        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias)
-        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
+        self.q_proj = nn.Linear(
+            config.hidden_size, config.num_attention_heads * self.head_dim, bias=config.attention_bias
+        )
+        self.k_proj = nn.Linear(
+            config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias
+        )
+        self.v_proj = nn.Linear(
+            config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias
+        )
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
@@ -208,7 +216,9 @@ class JetSpecDraftHead(PreTrainedModel):
 
         if self.config._attn_implementation.startswith("flash"):
             if attention_mask is not None and (attention_mask.dim() == 4 or not attention_mask.bool().all()):
-                raise ValueError("flash attention takes no 4-D or padding mask: use attn_implementation='sdpa' or 'eager'")
+                raise ValueError(
+                    "flash attention takes no 4-D or padding mask: use attn_implementation='sdpa' or 'eager'"
+                )
             attention_mask = None  # is_causal (bottom-right aligned) / non-causal reproduces the block mask
         elif attention_mask is None or attention_mask.dim() == 2:
             attention_mask = block_attention_mask(
@@ -223,7 +233,9 @@ class JetSpecDraftHead(PreTrainedModel):
         hidden_states = noise_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
         for layer in self.layers:
-            hidden_states = layer(hidden_states, context, position_embeddings, attention_mask, past_key_values, **kwargs)
+            hidden_states = layer(
+                hidden_states, context, position_embeddings, attention_mask, past_key_values, **kwargs
+            )
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
 
     @classmethod
@@ -231,9 +243,13 @@ class JetSpecDraftHead(PreTrainedModel):
         """`PreTrainedModel.from_pretrained`, but a partial checkpoint is an error, not a silently random head."""
         want_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        problems = {k: sorted(v) for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+        problems = {
+            k: sorted(v) for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v
+        }
         if problems:
-            details = "; ".join(f"{k}: {', '.join(map(str, v[:8]))}{' ...' if len(v) > 8 else ''}" for k, v in problems.items())
+            details = "; ".join(
+                f"{k}: {', '.join(map(str, v[:8]))}{' ...' if len(v) > 8 else ''}" for k, v in problems.items()
+            )
             where = args[0] if args else kwargs.get("pretrained_model_name_or_path", "checkpoint")
             raise ValueError(f"{where} is not a complete {cls.__name__} checkpoint ({details})")
         return (model, info) if want_info else model

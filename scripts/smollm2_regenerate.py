@@ -20,7 +20,12 @@ torch.set_num_threads(int(__import__("os").environ.get("THREADS", "1")))
 files = make_prompt_files(out_dir / "prompts", n_prompts, seed=0)
 model, tokenizer = load_smollm2(dtype=torch.float32)
 summary = regenerate(
-    model, tokenizer, read_jsonl(files["train"]), out_dir / "regenerated_train.jsonl",
-    max_new_tokens=320, batch_size=8, generate_kwargs={"eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>")},
+    model,
+    tokenizer,
+    read_jsonl(files["train"]),
+    out_dir / "regenerated_train.jsonl",
+    max_new_tokens=320,
+    batch_size=8,
+    generate_kwargs={"eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>")},
 )
 print(summary)

@@ -17,7 +17,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from jetspec_hf import JetSpecConfig, JetSpecDraftHead
 from jetspec_hf.training import JetSpecTrainer, JetSpecTrainingArguments
 
-
 VOCAB, HIDDEN, LAYERS = 96, 32, 4
 
 
@@ -56,7 +55,9 @@ def main(output_dir: str) -> None:
     for _ in range(8):
         input_ids = torch.randint(0, VOCAB - 1, (16,), generator=generator)
         loss_mask = (torch.arange(16) >= 4).long()
-        data.append({"input_ids": input_ids, "attention_mask": torch.ones(16, dtype=torch.long), "loss_mask": loss_mask})
+        data.append(
+            {"input_ids": input_ids, "attention_mask": torch.ones(16, dtype=torch.long), "loss_mask": loss_mask}
+        )
     eval_data = data[:5]  # odd: the last eval batch of one rank is padded with a duplicate, which must not count
 
     args = JetSpecTrainingArguments(

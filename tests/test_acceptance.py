@@ -5,6 +5,7 @@ import torch
 from transformers import DynamicCache
 
 from jetspec_hf import tree_generate
+
 from tiny_models import OracleTreeGenerator, tiny_target
 
 
@@ -27,7 +28,11 @@ def test_full_depth_paths_are_accepted_in_one_step_and_the_cache_is_exact():
     depth = 4
     oracle = OracleTreeGenerator(plain[0].tolist(), width=3, depth=depth, miss_rate=0.0, seed=7)
     out = target.generate(
-        ids, custom_generate=tree_generate, candidate_generator=oracle, max_new_tokens=21, eos_token_id=None,
+        ids,
+        custom_generate=tree_generate,
+        candidate_generator=oracle,
+        max_new_tokens=21,
+        eos_token_id=None,
         return_dict_in_generate=True,
     )
     assert torch.equal(out.sequences, plain)
@@ -51,8 +56,13 @@ def test_eos_inside_an_accepted_path_stops_there():
     # the oracle keeps drafting past EOS (it drafts from the free-running continuation)
     oracle = OracleTreeGenerator(free, width=2, depth=5, seed=1)
     out = target.generate(
-        ids, custom_generate=tree_generate, candidate_generator=oracle, max_new_tokens=20, eos_token_id=eos,
-        return_dict_in_generate=True, output_scores=True,
+        ids,
+        custom_generate=tree_generate,
+        candidate_generator=oracle,
+        max_new_tokens=20,
+        eos_token_id=eos,
+        return_dict_in_generate=True,
+        output_scores=True,
     )
     assert torch.equal(out.sequences, plain)
     assert out.sequences[0, -1].item() == eos and len(out.scores) == out.sequences.shape[1] - ids.shape[1]
@@ -77,8 +87,12 @@ def test_max_new_tokens_inside_an_accepted_path_is_exact():
         plain = target.generate(ids, max_new_tokens=max_new, do_sample=False, eos_token_id=None)
         oracle = DeepOracle(reference, width=2, depth=5, seed=max_new)
         out = target.generate(
-            ids, custom_generate=tree_generate, candidate_generator=oracle, max_new_tokens=max_new,
-            eos_token_id=None, return_dict_in_generate=True,
+            ids,
+            custom_generate=tree_generate,
+            candidate_generator=oracle,
+            max_new_tokens=max_new,
+            eos_token_id=None,
+            return_dict_in_generate=True,
         )
         assert torch.equal(out.sequences, plain), max_new
         assert_cache_equals_fresh_forward(target, out)
@@ -90,7 +104,11 @@ def test_rejected_branches_leave_no_trace_in_the_cache():
     plain = target.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=None)
     oracle = OracleTreeGenerator(plain[0].tolist(), width=4, depth=5, miss_rate=0.4, seed=3)
     out = target.generate(
-        ids, custom_generate=tree_generate, candidate_generator=oracle, max_new_tokens=30, eos_token_id=None,
+        ids,
+        custom_generate=tree_generate,
+        candidate_generator=oracle,
+        max_new_tokens=30,
+        eos_token_id=None,
         return_dict_in_generate=True,
     )
     assert torch.equal(out.sequences, plain)

@@ -16,7 +16,6 @@ from jetspec_hf.data import (
     tokenize_conversation,
 )
 
-
 SYSTEM = "You are a helpful assistant."
 TWO_TURNS = [
     {"role": "user", "content": "Hello there!"},

@@ -6,11 +6,11 @@ import sys
 
 import pytest
 import torch
-import transformers
 from transformers import GenerationMixin, StoppingCriteria, StoppingCriteriaList, TextStreamer
 
 import jetspec_hf
 from jetspec_hf import JetSpecConfig, JetSpecDraftHead, tree_generate
+
 from tiny_models import OracleTreeGenerator, tiny_head, tiny_target
 
 
@@ -54,7 +54,9 @@ def test_text_streamer_and_stop_strings_give_the_same_text(chat_tokenizer, capsy
     settings = dict(max_new_tokens=30, eos_token_id=None, stop_strings=[stop], tokenizer=chat_tokenizer)
     plain = target.generate(ids, **settings, streamer=TextStreamer(chat_tokenizer, skip_prompt=True))
     plain_text = capsys.readouterr().out
-    out = target.generate(ids, assistant_model=head, **settings, streamer=TextStreamer(chat_tokenizer, skip_prompt=True))
+    out = target.generate(
+        ids, assistant_model=head, **settings, streamer=TextStreamer(chat_tokenizer, skip_prompt=True)
+    )
     assert torch.equal(out, plain) and out.shape[1] < free.shape[1]
     assert capsys.readouterr().out == plain_text and stop in plain_text
 
@@ -62,8 +64,9 @@ def test_text_streamer_and_stop_strings_give_the_same_text(chat_tokenizer, capsy
 def test_return_dict_with_scores_and_logits(qwen3):
     target, head = qwen3
     ids = torch.tensor([[9, 8, 7, 6]])
-    settings = dict(max_new_tokens=10, return_dict_in_generate=True, output_scores=True, output_logits=True,
-                    repetition_penalty=1.4)
+    settings = dict(
+        max_new_tokens=10, return_dict_in_generate=True, output_scores=True, output_logits=True, repetition_penalty=1.4
+    )
     plain = target.generate(ids, **settings)
     reference = plain.sequences[0].tolist()
     oracle = OracleTreeGenerator(reference, width=2, depth=4, seed=0)
@@ -87,11 +90,20 @@ def test_left_padding_and_attention_mask(qwen3):
     plain = target.generate(ids, attention_mask=mask, max_new_tokens=15, eos_token_id=None, pad_token_id=0)
     unpadded = target.generate(ids[:, 3:], max_new_tokens=15, eos_token_id=None)
     assert torch.equal(plain[:, 3:], unpadded)  # the target itself ignores the padding
-    out = target.generate(ids, attention_mask=mask, assistant_model=head, max_new_tokens=15, eos_token_id=None, pad_token_id=0)
+    out = target.generate(
+        ids, attention_mask=mask, assistant_model=head, max_new_tokens=15, eos_token_id=None, pad_token_id=0
+    )
     assert torch.equal(out, plain)
     oracle = OracleTreeGenerator(plain[0].tolist(), width=3, depth=4, seed=2)
-    out = target.generate(ids, attention_mask=mask, custom_generate=tree_generate, candidate_generator=oracle,
-                          max_new_tokens=15, eos_token_id=None, pad_token_id=0)
+    out = target.generate(
+        ids,
+        attention_mask=mask,
+        custom_generate=tree_generate,
+        candidate_generator=oracle,
+        max_new_tokens=15,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     assert torch.equal(out, plain) and max(oracle.stats.accepted_lengths) > 1
 
 
@@ -164,9 +176,19 @@ def test_sliding_window_beyond_the_window_is_refused():
 
 
 def make_head(**overrides):
-    config = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=8, num_target_layers=4, target_layer_ids=[0, 2], mask_token_id=95,
-                  block_size=4)
+    config = dict(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_target_layers=4,
+        target_layer_ids=[0, 2],
+        mask_token_id=95,
+        block_size=4,
+    )
     return JetSpecDraftHead(JetSpecConfig(**{**config, **overrides})).eval()
 
 
@@ -211,7 +233,9 @@ def test_other_assistants_and_plain_calls_are_untouched(qwen3):
     small = tiny_target("qwen3", seed=1)
     assert torch.equal(target.generate(ids, assistant_model=small, max_new_tokens=10), plain)
     assert torch.equal(target.generate(ids, prompt_lookup_num_tokens=2, max_new_tokens=10), plain)
-    with pytest.raises(ValueError, match="tree_budget"):  # tree settings without a JetSpec head are not silently dropped
+    with pytest.raises(
+        ValueError, match="tree_budget"
+    ):  # tree settings without a JetSpec head are not silently dropped
         target.generate(ids, max_new_tokens=10, tree_budget=8)
 
 

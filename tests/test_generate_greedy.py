@@ -4,9 +4,12 @@ import pytest
 import torch
 
 from jetspec_hf import tree_generate
+
 from tiny_models import TARGETS, OracleTreeGenerator, tiny_head, tiny_target
 
-ATTENTION = [(arch, attn) for arch in TARGETS for attn in ("eager", "sdpa") if not (arch == "gemma2" and attn == "sdpa")]
+ATTENTION = [
+    (arch, attn) for arch in TARGETS for attn in ("eager", "sdpa") if not (arch == "gemma2" and attn == "sdpa")
+]
 
 
 def prompts(n, seed=0):

@@ -31,12 +31,13 @@ import transformers.utils.hub
 from huggingface_hub import CommitInfo, CommitOperationAdd, ModelCard, RepoUrl
 from huggingface_hub.errors import EntryNotFoundError, OfflineModeIsEnabled
 from safetensors.torch import load_file
-from tiny_models import tiny_head, tiny_target
 
 import jetspec_hf
 import jetspec_hf.hub as hub
 from jetspec_hf import JetSpecConfig, JetSpecDraftHead, JetSpecStats
 from jetspec_hf.hub import measurement_from_stats, model_card, push_head_to_hub
+
+from tiny_models import tiny_head, tiny_target
 
 REPO_ID = "me/jetspec-tiny"
 TARGET = "tiny-org/tiny-qwen3"
@@ -50,8 +51,24 @@ TRAINING = {
     "hardware": "8x H200",
 }
 MEASURED = [
-    {"tau": 6.37, "speedup": 4.21, "budget": 64, "width": 7, "hardware": "1x H200", "dataset": "MT-Bench", "temperature": 0.0},
-    {"tau": 5.02, "speedup": 3.3, "tree_budget": 32, "tree_width": 4, "hardware": "1x H200", "dataset": "GSM8K", "temperature": 1.0},
+    {
+        "tau": 6.37,
+        "speedup": 4.21,
+        "budget": 64,
+        "width": 7,
+        "hardware": "1x H200",
+        "dataset": "MT-Bench",
+        "temperature": 0.0,
+    },
+    {
+        "tau": 5.02,
+        "speedup": 3.3,
+        "tree_budget": 32,
+        "tree_width": 4,
+        "hardware": "1x H200",
+        "dataset": "GSM8K",
+        "temperature": 1.0,
+    },
 ]
 
 
@@ -73,7 +90,18 @@ class FakeHub:
         self.repos.append({"repo_id": repo_id, "private": private, "token": token, **kwargs})
         return RepoUrl(f"https://huggingface.co/{repo_id}")
 
-    def create_commit(self, repo_id, operations, *, commit_message, commit_description=None, token=None, create_pr=False, revision=None, **kwargs):
+    def create_commit(
+        self,
+        repo_id,
+        operations,
+        *,
+        commit_message,
+        commit_description=None,
+        token=None,
+        create_pr=False,
+        revision=None,
+        **kwargs,
+    ):
         paths = []
         for op in operations:
             assert isinstance(op, CommitOperationAdd), op
@@ -86,7 +114,9 @@ class FakeHub:
                 dest.write_bytes(source if isinstance(source, bytes) else source.read())
             paths.append(op.path_in_repo)
         oid = uuid.uuid4().hex
-        self.commits.append({"repo_id": repo_id, "paths": sorted(paths), "message": commit_message, "revision": revision})
+        self.commits.append(
+            {"repo_id": repo_id, "paths": sorted(paths), "message": commit_message, "revision": revision}
+        )
         return CommitInfo(
             commit_url=f"https://huggingface.co/{repo_id}/commit/{oid}",
             commit_message=commit_message,
@@ -154,7 +184,15 @@ def pushed(tmp_path_factory):
             commit_message="Upload JetSpec head",
             license="apache-2.0",
         )
-    return {"root": root, "folder": root / REPO_ID, "head": head, "target": target, "reference": reference, "hub": fake, "result": result}
+    return {
+        "root": root,
+        "folder": root / REPO_ID,
+        "head": head,
+        "target": target,
+        "reference": reference,
+        "hub": fake,
+        "result": result,
+    }
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -228,7 +266,9 @@ def test_trainer_push_is_documented():
 
 def test_push_uploads_one_commit_with_card_code_and_head_tensors(pushed):
     fake, folder, head = pushed["hub"], pushed["folder"], pushed["head"]
-    assert isinstance(pushed["result"], str) and pushed["result"].startswith(f"https://huggingface.co/{REPO_ID}/commit/")
+    assert isinstance(pushed["result"], str) and pushed["result"].startswith(
+        f"https://huggingface.co/{REPO_ID}/commit/"
+    )
     assert fake.repos == [{"repo_id": REPO_ID, "private": True, "token": "hf_fake_token"}]
     files = ["README.md", "config.json", "configuration_jetspec.py", "model.safetensors", "modeling_jetspec.py"]
     assert fake.commits == [{"repo_id": REPO_ID, "paths": files, "message": "Upload JetSpec head", "revision": None}]
@@ -252,7 +292,9 @@ def test_push_uploads_one_commit_with_card_code_and_head_tensors(pushed):
         assert (folder / name).read_bytes() == (MODELING_DIR / name).read_bytes()
 
     card = ModelCard.load(folder / "README.md")
-    assert card.data.library_name == "jetspec-hf" and card.data.base_model == TARGET and card.data.license == "apache-2.0"
+    assert (
+        card.data.library_name == "jetspec-hf" and card.data.base_model == TARGET and card.data.license == "apache-2.0"
+    )
     assert card.data.tags == ["speculative-decoding", "jetspec", "draft-head"]
     assert f"# {REPO_ID.split('/')[-1]}" in card.text
     assert "| Draft layers | 2 |" in card.text and "| Block size | 6 (anchor + 5 drafted slots) |" in card.text

@@ -226,7 +226,9 @@ def test_forward_matches_reference(tmp_path, causal, attn):
     cache, ref_cache = DynamicCache(), DynamicCache()
     first_block = torch.randn(batch, BLOCK, HIDDEN)
     step1 = head(first_block, context[:, :5], past_key_values=cache, use_cache=True).last_hidden_state
-    ref_step1 = reference(first_block, context[:, :5], attention_mask=reference_mask(5, BLOCK, causal), past_key_values=ref_cache)
+    ref_step1 = reference(
+        first_block, context[:, :5], attention_mask=reference_mask(5, BLOCK, causal), past_key_values=ref_cache
+    )
     close(step1, ref_step1.last_hidden_state)
     close(step1, head(first_block, context[:, :5]).last_hidden_state)
     for c in (cache, ref_cache):
@@ -234,7 +236,9 @@ def test_forward_matches_reference(tmp_path, causal, attn):
         assert c.get_seq_length() == 5
 
     step2 = head(block, context[:, 5:], past_key_values=cache, use_cache=True).last_hidden_state
-    ref_step2 = reference(block, context[:, 5:], attention_mask=reference_mask(n_context, BLOCK, causal), past_key_values=ref_cache)
+    ref_step2 = reference(
+        block, context[:, 5:], attention_mask=reference_mask(n_context, BLOCK, causal), past_key_values=ref_cache
+    )
     close(step2, ours)
     close(step2, expected.last_hidden_state)
     close(step2, ref_step2.last_hidden_state)
@@ -271,9 +275,20 @@ def test_save_dflash_format_round_trip(tmp_path, causal, dtype):
     assert config["rope_theta"] == ROPE_THETA and config["rope_scaling"] is None
     assert config["torch_dtype"] == config["dtype"] == str(dtype).removeprefix("torch.")
     assert "auto_map" not in config and "rope_parameters" not in config
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                "intermediate_size", "rms_norm_eps", "max_position_embeddings", "vocab_size", "hidden_act",
-                "attention_bias", "tie_word_embeddings"):
+    for key in (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "vocab_size",
+        "hidden_act",
+        "attention_bias",
+        "tie_word_embeddings",
+    ):
         assert key in config, key
     assert config["tie_word_embeddings"] is False
 

@@ -6,6 +6,7 @@ import transformers
 
 import jetspec_hf.generation
 from jetspec_hf import DraftTree, JetSpecStats, tree_generate
+
 from tiny_models import OracleTreeGenerator, tiny_head, tiny_target
 
 SAMPLING = [
@@ -27,11 +28,18 @@ def test_sampling_is_seed_exact(settings):
         torch.manual_seed(seed)
         plain = target.generate(ids, do_sample=True, max_new_tokens=24, **settings)
         torch.manual_seed(seed)
-        assert torch.equal(target.generate(ids, assistant_model=head, do_sample=True, max_new_tokens=24, **settings), plain)
+        assert torch.equal(
+            target.generate(ids, assistant_model=head, do_sample=True, max_new_tokens=24, **settings), plain
+        )
         oracle = OracleTreeGenerator(plain[0].tolist(), width=3, depth=5, miss_rate=0.1, seed=seed)
         torch.manual_seed(seed)
         out = target.generate(
-            ids, custom_generate=tree_generate, candidate_generator=oracle, do_sample=True, max_new_tokens=24, **settings
+            ids,
+            custom_generate=tree_generate,
+            candidate_generator=oracle,
+            do_sample=True,
+            max_new_tokens=24,
+            **settings,
         )
         assert torch.equal(out, plain)
         assert max(oracle.stats.accepted_lengths) > 1
@@ -45,8 +53,16 @@ VOCAB, TEMPERATURE, RUNS, ROOT = 10, 1.3, 1200, 4
 def small_target():
     torch.manual_seed(0)
     config = transformers.Qwen3Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, eos_token_id=None, bos_token_id=None, pad_token_id=None,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
     )
     model = transformers.Qwen3ForCausalLM(config).eval()
     with torch.no_grad():
@@ -121,8 +137,13 @@ def sample_pairs(target, ids, pairs) -> tuple[torch.Tensor, list[int]]:
         torch.manual_seed(10_000 + seed)
         generator = TargetTreeGenerator(pairs)
         out = target.generate(
-            ids, custom_generate=tree_generate, candidate_generator=generator, do_sample=True,
-            temperature=TEMPERATURE, top_k=None, max_new_tokens=4,
+            ids,
+            custom_generate=tree_generate,
+            candidate_generator=generator,
+            do_sample=True,
+            temperature=TEMPERATURE,
+            top_k=None,
+            max_new_tokens=4,
             logits_processor=transformers.LogitsProcessorList([ForceFirstToken(ids.shape[1], ROOT)]),
         )
         t1, t2 = out[0, ids.shape[1] + 1 : ids.shape[1] + 3].tolist()  # the two tokens of the first tree step

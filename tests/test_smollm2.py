@@ -82,8 +82,14 @@ def test_gguf_found_in_installed_package():
 @needs_model
 def test_cache_layout_and_reuse(smollm2_cache_root, monkeypatch):
     path = smollm2_cache_root / S.CACHE_SUBDIR
-    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                 "tokenizer_config.json", S.MARKER_FILE):
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        S.MARKER_FILE,
+    ):
         assert (path / name).is_file(), name
     # No half-written temporary directories left behind.
     assert [p.name for p in smollm2_cache_root.iterdir()] == [S.CACHE_SUBDIR]
@@ -145,7 +151,7 @@ def test_greedy_generate(smollm2):
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
-    new = out[0, inputs["input_ids"].shape[1]:]
+    new = out[0, inputs["input_ids"].shape[1] :]
     assert 1 <= len(new) <= 8
     text = tokenizer.decode(new, skip_special_tokens=True)
     assert text.strip() and any(c.isalnum() for c in text)

@@ -32,7 +32,6 @@ from jetspec_hf.training import (
     valid_anchor_mask,
 )
 
-
 REPO = Path(__file__).resolve().parents[1]
 VOCAB, HIDDEN, LAYERS = 96, 32, 4
 MASK_ID = VOCAB - 1
@@ -278,7 +277,11 @@ def test_losses_on_hand_computable_tensors():
         rkl = (log_q.exp() * (log_q - log_p)).sum(-1)[valid].mean() * temperature**2
         got = jetspec_loss(student, teacher, labels, valid, loss_type="fkl", temperature=temperature)
         assert torch.allclose(got, fkl, atol=1e-6)
-        assert torch.allclose(F.kl_div(log_q[valid], log_p[valid], log_target=True, reduction="batchmean") * temperature**2, got, atol=1e-6)
+        assert torch.allclose(
+            F.kl_div(log_q[valid], log_p[valid], log_target=True, reduction="batchmean") * temperature**2,
+            got,
+            atol=1e-6,
+        )
         got = jetspec_loss(student, teacher, labels, valid, loss_type="rkl", temperature=temperature)
         assert torch.allclose(got, rkl, atol=1e-6)
     # SFT is cross-entropy on the labels at valid positions
@@ -374,7 +377,9 @@ def test_packed_forward_batch_rows_and_disabled_blocks_are_independent():
         batch = jetspec_block_forward(
             head, target, ids, torch.tensor([[3, 8, 12], [5, 0, 0]]), torch.tensor([[True] * 3, [True, False, False]])
         )
-        row0 = jetspec_block_forward(head, target, ids[:1], torch.tensor([[3, 8, 12]]), torch.ones(1, 3, dtype=torch.bool))
+        row0 = jetspec_block_forward(
+            head, target, ids[:1], torch.tensor([[3, 8, 12]]), torch.ones(1, 3, dtype=torch.bool)
+        )
         row1 = jetspec_block_forward(head, target, ids[1:], torch.tensor([[5]]), torch.ones(1, 1, dtype=torch.bool))
     torch.testing.assert_close(batch["slot_hidden"][:1], row0["slot_hidden"], atol=1e-5, rtol=0)
     torch.testing.assert_close(batch["slot_hidden"][1:, :1], row1["slot_hidden"], atol=1e-5, rtol=0)
@@ -449,7 +454,10 @@ def test_trainer_trains_only_the_head_and_saves_only_the_head(tmp_path):
     for directory in [out, *sorted((tmp_path / "run").glob("checkpoint-*"))]:
         assert (directory / "config.json").exists()
         assert not list(directory.glob("*.bin")) or {p.name for p in directory.glob("*.bin")} <= {
-            "training_args.bin", "optimizer.bin", "scheduler.bin", "rng_state.bin"
+            "training_args.bin",
+            "optimizer.bin",
+            "scheduler.bin",
+            "rng_state.bin",
         }
         with safe_open(directory / "model.safetensors", "pt") as f:
             names = set(f.keys())
@@ -463,7 +471,9 @@ def test_trainer_trains_only_the_head_and_saves_only_the_head(tmp_path):
 def test_trainer_sft_and_bf16(tmp_path):
     target, head = tiny_target("qwen3"), tiny_head(num_layers=1)
     args = training_args(tmp_path, max_steps=2, bf16=True, loss_type="sft", gamma=2.0)
-    trainer = JetSpecTrainer(head, args, train_dataset=make_examples(4), eval_dataset=make_examples(2), target_model=target)
+    trainer = JetSpecTrainer(
+        head, args, train_dataset=make_examples(4), eval_dataset=make_examples(2), target_model=target
+    )
     result = trainer.train()
     assert math.isfinite(result.training_loss)
     metrics = trainer.evaluate()
@@ -476,7 +486,9 @@ def test_trainer_rejects_bad_setup(tmp_path):
     head = tiny_head()
     head.config.mask_token_id = None
     with pytest.raises(ValueError, match="mask_token_id"):
-        JetSpecTrainer(head, training_args(tmp_path, max_steps=1), train_dataset=make_examples(2), target_model=tiny_target())
+        JetSpecTrainer(
+            head, training_args(tmp_path, max_steps=1), train_dataset=make_examples(2), target_model=tiny_target()
+        )
 
 
 def test_trainer_defaults(tmp_path, chat_tokenizer):
@@ -518,7 +530,9 @@ def test_resume_reproduces_losses(tmp_path):
         args = training_args(
             output_dir, max_steps=4, save_strategy="steps", save_steps=2, gradient_accumulation_steps=2
         )
-        trainer = JetSpecTrainer(tiny_head(seed=7 if resume else 1), args, train_dataset=data, target_model=tiny_target())
+        trainer = JetSpecTrainer(
+            tiny_head(seed=7 if resume else 1), args, train_dataset=data, target_model=tiny_target()
+        )
         trainer.train(resume_from_checkpoint=resume)
         return train_losses(trainer)
 
@@ -538,8 +552,14 @@ def test_ddp_two_processes(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     env.pop("CUDA_VISIBLE_DEVICES", None)
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        str(REPO / "tests" / "ddp_train_script.py"), str(tmp_path),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(REPO / "tests" / "ddp_train_script.py"),
+        str(tmp_path),
     ]
     result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -33,7 +33,9 @@ TARGETS = {
         transformers.Qwen3MoeConfig(**c, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
     ),
     "gemma": lambda c: transformers.GemmaForCausalLM(transformers.GemmaConfig(**c, head_dim=8)),
-    "gemma2": lambda c: transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**{"head_dim": 8, "sliding_window": 4096, **c})),
+    "gemma2": lambda c: transformers.Gemma2ForCausalLM(
+        transformers.Gemma2Config(**{"head_dim": 8, "sliding_window": 4096, **c})
+    ),
 }
 
 
@@ -80,7 +82,9 @@ class OracleTreeGenerator:
 
     target_layer_ids: list[int] = []
 
-    def __init__(self, continuation: list[int], width: int = 3, depth: int = 5, budget: int = 64, miss_rate=0.0, seed=0):
+    def __init__(
+        self, continuation: list[int], width: int = 3, depth: int = 5, budget: int = 64, miss_rate=0.0, seed=0
+    ):
         from jetspec_hf import JetSpecStats
 
         self.continuation, self.width, self.tree_depth, self.tree_budget = continuation, width, depth, budget
