@@ -431,6 +431,9 @@ class JetSpecTrainingArguments(TrainingArguments):
     remove_unused_columns: bool = field(
         default=False, metadata={"help": "Must stay False: the trainer needs input_ids/attention_mask/loss_mask."}
     )
+    ddp_find_unused_parameters: bool | None = field(
+        default=False, metadata={"help": "Every head parameter is used in every step: DDP need not search for unused ones."}
+    )
 
     def __post_init__(self):
         super().__post_init__()
