@@ -90,7 +90,7 @@ class JetSpecCandidateGenerator:
         slots = out.last_hidden_state[0, 1 : 1 + max_depth]  # slot d drafts depth d (in-place heads)
         weight = self.output_embeddings.weight
         logits = self.output_embeddings(slots.to(weight.device, weight.dtype)).float()
-        if len(logits_processor) and max_depth:
+        if len(logits_processor):
             # Warp the draft like the target (temperature, top-k/p, penalties) so the tree follows what gets picked.
             logits = logits_processor(input_ids.expand(max_depth, -1), logits)
         return torch.log_softmax(logits, dim=-1)
