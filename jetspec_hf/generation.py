@@ -118,17 +118,25 @@ def keep_path_in_cache(cache: Cache, past_len: int, path: list[int]) -> None:
     The path's nodes were computed at positions `root + depth`, which are their final positions, so the result is
     exactly the cache that plain decoding of these tokens would have built.
     """
+    # Nodes already in place (the root, and a path that runs down the first-created branch) need no copy.
+    first_moved = next((i for i, node in enumerate(path) if node != i), len(path))
+    new_len = past_len + len(path)
+    sources = {}  # one index tensor per device, not per layer
     for layer in cache.layers:
         if not layer.is_initialized:
             continue
-        src = past_len + torch.tensor(path, device=layer.keys.device)
-        dst = torch.arange(past_len, past_len + len(path), device=layer.keys.device)
-        layer.keys[:, :, dst] = layer.keys[:, :, src]  # the right side is gathered (copied) first: overlap-safe
-        layer.values[:, :, dst] = layer.values[:, :, src]
-        layer.keys = layer.keys[:, :, : past_len + len(path)]
-        layer.values = layer.values[:, :, : past_len + len(path)]
+        if first_moved < len(path):
+            device = layer.keys.device
+            if device not in sources:
+                sources[device] = past_len + torch.tensor(path[first_moved:], device=device)
+            src = sources[device]
+            # index_select copies the rows out first, so overlapping source and destination slots are safe.
+            layer.keys.narrow(2, past_len + first_moved, len(src)).copy_(layer.keys.index_select(2, src))
+            layer.values.narrow(2, past_len + first_moved, len(src)).copy_(layer.values.index_select(2, src))
+        layer.keys = layer.keys[:, :, :new_len]
+        layer.values = layer.values[:, :, :new_len]
         if hasattr(layer, "cumulative_length"):
-            layer.cumulative_length = past_len + len(path)
+            layer.cumulative_length = new_len
 
 
 def check_tree_cache(cache: Cache, max_tokens: int) -> None:
