@@ -36,6 +36,9 @@ TARGETS = {
     "gemma2": lambda c: transformers.Gemma2ForCausalLM(
         transformers.Gemma2Config(**{"head_dim": 8, "sliding_window": 4096, **c})
     ),
+    "gemma3": lambda c: transformers.Gemma3ForCausalLM(
+        transformers.Gemma3TextConfig(**{"head_dim": 8, "sliding_window": 4096, **c})
+    ),
 }
 
 
