@@ -17,8 +17,6 @@ folder per repo and copies the committed files into it, so the upload is then lo
 import json
 import os
 import shutil
-import subprocess
-import sys
 import textwrap
 import uuid
 from pathlib import Path
@@ -37,7 +35,7 @@ import jetspec_hf.hub as hub
 from jetspec_hf import JetSpecConfig, JetSpecDraftHead, JetSpecStats
 from jetspec_hf.hub import measurement_from_stats, model_card, push_head_to_hub
 
-from tiny_models import tiny_head, tiny_target
+from tiny_models import run_without_jetspec, tiny_head, tiny_target
 
 REPO_ID = "me/jetspec-tiny"
 TARGET = "tiny-org/tiny-qwen3"
@@ -328,20 +326,6 @@ def test_uploaded_head_loads_bit_exactly_and_tree_generate_is_lossless(pushed):
 
 REMOTE_SCRIPT = textwrap.dedent(
     """
-    import sys
-
-    class BlockJetspec:  # the package (and the repository's source folders) cannot be imported in this process
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in ("jetspec_hf", "modeling"):
-                raise ImportError(f"{name} is blocked in this test")
-
-    sys.meta_path.insert(0, BlockJetspec())
-    try:
-        import jetspec_hf  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        raise SystemExit("jetspec_hf is importable: the test would not test remote code")
 
     import torch
     from transformers import AutoModel, AutoModelForCausalLM
@@ -375,18 +359,8 @@ def test_uploaded_folder_loads_as_remote_code_without_the_package(pushed, tmp_pa
     with torch.no_grad():
         expected = target.generate(ids, max_new_tokens=8, do_sample=False)
 
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP")}
-    env.update(HF_MODULES_CACHE=str(tmp_path / "hf_modules"), HF_HUB_OFFLINE="1", JETSPEC_HF_NO_GENERATE_HOOK="1")
     args = [pushed["folder"], tmp_path / "target", tmp_path / "reference.pt", tmp_path / "outputs.pt"]
-    result = subprocess.run(
-        [sys.executable, "-c", REMOTE_SCRIPT, *map(str, args)],
-        cwd=tmp_path,  # nothing of the repository on sys.path
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0 and "REMOTE_OK" in result.stdout, result.stdout + result.stderr[-4000:]
+    run_without_jetspec(REMOTE_SCRIPT, args, tmp_path)
     outputs = torch.load(tmp_path / "outputs.pt")
     assert torch.equal(outputs["plain"], expected)
     assert torch.equal(outputs["chain"], expected)  # the card's "without the package" snippet is lossless

@@ -11,8 +11,6 @@
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -24,6 +22,8 @@ from transformers.cache_utils import DynamicCache
 import jetspec_hf
 from jetspec_hf import JetSpecConfig, JetSpecDraftHead
 from jetspec_hf.export import save_dflash_format
+
+from tiny_models import run_without_jetspec
 
 # Tiny sizes in the Qwen3 layout: GQA (4 query heads over 2 key/value heads), QK-norm, three taps.
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, MLP = 32, 2, 4, 2, 8, 64
@@ -360,20 +360,6 @@ def test_save_pretrained_and_auto_classes_round_trip(tmp_path):
 
 REMOTE_SCRIPT = textwrap.dedent(
     """
-    import sys
-
-    class BlockJetspec:  # make the installed package (and the repo's source folders) unimportable
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in ("jetspec_hf", "modeling"):
-                raise ImportError(f"{name} is blocked in this test")
-
-    sys.meta_path.insert(0, BlockJetspec())
-    try:
-        import jetspec_hf  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        raise SystemExit("jetspec_hf is importable: the test would not test remote code")
 
     import torch
     from transformers import AutoModel
@@ -418,17 +404,7 @@ def test_remote_code_loads_without_the_package(tmp_path):
     torch.save((block, context), tmp_path / "inputs.pt")
     expected = head(block, context).last_hidden_state
 
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP")}
-    env.update(HF_MODULES_CACHE=str(tmp_path / "hf_modules"), HF_HUB_OFFLINE="1", JETSPEC_HF_NO_GENERATE_HOOK="1")
-    result = subprocess.run(
-        [sys.executable, "-c", REMOTE_SCRIPT, str(out), str(tmp_path / "inputs.pt"), str(tmp_path / "output.pt")],
-        cwd=tmp_path,  # nothing of the repository on sys.path
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0 and "REMOTE_OK" in result.stdout, result.stdout + result.stderr[-4000:]
+    run_without_jetspec(REMOTE_SCRIPT, [out, tmp_path / "inputs.pt", tmp_path / "output.pt"], tmp_path)
     torch.testing.assert_close(torch.load(tmp_path / "output.pt"), expected, atol=1e-6, rtol=1e-6)
 
     # With the package installed the local class wins, even for a directory with auto_map and trust_remote_code.

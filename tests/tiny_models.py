@@ -130,3 +130,42 @@ class OracleTreeGenerator:
         tree = DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths), torch.zeros(len(tokens)))
         self.trees.append(tree)
         return tree
+
+
+# A Python process in which jetspec_hf (and the repository's source folders) cannot be imported: what a user
+# without the package has, for remote-code tests.
+_BLOCK_JETSPEC = """
+import sys
+
+class BlockJetspec:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("jetspec_hf", "modeling"):
+            raise ImportError(f"{name} is blocked in this test")
+
+sys.meta_path.insert(0, BlockJetspec())
+try:
+    import jetspec_hf  # noqa: F401
+except ImportError:
+    pass
+else:
+    raise SystemExit("jetspec_hf is importable: the test would not test remote code")
+"""
+
+
+def run_without_jetspec(script: str, args, workdir) -> None:
+    """Run `script` (which prints REMOTE_OK at the end) with `args` in a fresh process without jetspec_hf."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP")}
+    env.update(HF_MODULES_CACHE=str(workdir / "hf_modules"), HF_HUB_OFFLINE="1", JETSPEC_HF_NO_GENERATE_HOOK="1")
+    result = subprocess.run(
+        [sys.executable, "-c", _BLOCK_JETSPEC + script, *map(str, args)],
+        cwd=workdir,  # nothing of the repository on sys.path
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0 and "REMOTE_OK" in result.stdout, result.stdout + result.stderr[-4000:]
