@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.utils import logging
 
 from .routing import check_head_fits_target
@@ -432,7 +432,8 @@ class JetSpecTrainingArguments(TrainingArguments):
         default=False, metadata={"help": "Must stay False: the trainer needs input_ids/attention_mask/loss_mask."}
     )
     ddp_find_unused_parameters: bool | None = field(
-        default=False, metadata={"help": "Every head parameter is used in every step: DDP need not search for unused ones."}
+        default=False,
+        metadata={"help": "Every head parameter is used in every step: DDP need not search for unused ones."},
     )
 
     def __post_init__(self):
@@ -633,3 +634,37 @@ __all__ = [
     "training_position_ids",
     "valid_anchor_mask",
 ]
+
+
+class TreeTauCallback(TrainerCallback):
+    """After every evaluation, measure the real thing: tau of tree decoding through `target.generate(...,
+    assistant_model=head)` on a few held-out prompts, added to the metrics as `eval_tree_tau` (so it can serve as
+    `metric_for_best_model`). The per-depth acceptance metrics are a cheaper proxy of the same quantity.
+
+    `prompts` are `[1, L]` token id tensors (e.g. chat-templated held-out questions). Greedy decoding, so the
+    measurement is deterministic; `tree_arguments` (`tree_budget`, `tree_width`, `tree_depth`) default to the head's.
+    """
+
+    def __init__(self, target_model, prompts: list[torch.Tensor], max_new_tokens: int = 64, **tree_arguments):
+        self.target_model, self.prompts, self.max_new_tokens = target_model, prompts, max_new_tokens
+        self.tree_arguments = tree_arguments
+
+    def on_evaluate(self, args, state, control, model=None, metrics=None, **kwargs):
+        head = getattr(model, "module", model)  # DDP wraps the head
+        was_training = head.training
+        head.eval()
+        committed = steps = 0
+        device = next(self.target_model.parameters()).device
+        for ids in self.prompts:
+            self.target_model.generate(
+                ids.to(device),
+                assistant_model=head,
+                max_new_tokens=self.max_new_tokens,
+                do_sample=False,
+                **self.tree_arguments,
+            )
+            committed += sum(head.last_generate_stats.accepted_lengths)
+            steps += len(head.last_generate_stats.accepted_lengths)
+        head.train(was_training)
+        if metrics is not None:
+            metrics["eval_tree_tau"] = committed / max(steps, 1)

@@ -18,6 +18,7 @@ from jetspec_hf import JetSpecCandidateGenerator, JetSpecConfig, JetSpecDraftHea
 from jetspec_hf.training import (
     JetSpecTrainer,
     JetSpecTrainingArguments,
+    TreeTauCallback,
     acceptance_counts,
     acceptance_metrics,
     block_targets,
@@ -574,3 +575,21 @@ def test_ddp_two_processes(tmp_path):
     loaded = JetSpecDraftHead.from_pretrained(tmp_path / "final")
     with safe_open(tmp_path / "final" / "model.safetensors", "pt") as f:
         assert set(f.keys()) == head_tensor_names(loaded)
+
+
+def test_tree_tau_callback_reports_generate_tau_as_a_metric(tmp_path):
+    target, head = tiny_target(), tiny_head()
+    data = make_examples(4)
+    prompts = [torch.tensor([[1, 5, 9, 13, 17]]), torch.tensor([[2, 4, 6]])]
+    callback = TreeTauCallback(target, prompts, max_new_tokens=10, tree_budget=6, tree_width=2)
+    trainer = JetSpecTrainer(
+        head, training_args(tmp_path), eval_dataset=data, target_model=target, callbacks=[callback]
+    )
+    metrics = trainer.evaluate()
+    committed = steps = 0
+    for ids in prompts:  # the same measurement done by hand through generate()
+        target.generate(ids, assistant_model=head, max_new_tokens=10, do_sample=False, tree_budget=6, tree_width=2)
+        committed += sum(head.last_generate_stats.accepted_lengths)
+        steps += len(head.last_generate_stats.accepted_lengths)
+    assert metrics["eval_tree_tau"] == pytest.approx(committed / steps)
+    assert head.last_generate_stats.tree_sizes and max(head.last_generate_stats.tree_sizes) <= 6
