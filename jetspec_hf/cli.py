@@ -412,6 +412,15 @@ def _build_train_parser(subparsers) -> argparse.ArgumentParser:
         "--num-anchors", "--num_anchors", dest="num_anchors", type=int, help="blocks per sequence (default 512)"
     )
     group.add_argument(
+        "--tree-tau-prompts",
+        "--tree_tau_prompts",
+        dest="tree_tau_prompts",
+        type=int,
+        default=0,
+        help="at each evaluation, decode the prompts of the first N --eval-data conversations with the head and "
+        "report the real tree tau as eval_tree_tau (default 0: off)",
+    )
+    group.add_argument(
         "--max-length",
         "--max_length",
         dest="max_length",
@@ -480,6 +489,26 @@ def _dataset_stats(dataset) -> dict[str, int]:
         "tokens": sum(len(e["input_ids"]) for e in dataset.examples),
         "loss_tokens": sum(sum(e["loss_mask"]) for e in dataset.examples),
     }
+
+
+def _tree_tau_callbacks(args, target, tokenizer, parser) -> list:
+    """`--tree-tau-prompts N`: a TreeTauCallback over the prompts of the first N evaluation conversations."""
+    import torch
+
+    from .data import _prompt_messages, load_conversations
+    from .training import TreeTauCallback
+
+    if not args.tree_tau_prompts:
+        return []
+    if not args.eval_data:
+        parser.error("--tree-tau-prompts needs --eval-data (the prompts are taken from it)")
+    prompts = []
+    for row in load_conversations(args.eval_data)[: args.tree_tau_prompts]:
+        encoding = tokenizer.apply_chat_template(
+            _prompt_messages(row["messages"]), add_generation_prompt=True, tokenize=True, return_dict=True
+        )
+        prompts.append(torch.tensor([encoding["input_ids"]]))
+    return [TreeTauCallback(target, prompts)]
 
 
 def run_train(args, rest: list[str], parser: argparse.ArgumentParser) -> int:
@@ -619,6 +648,7 @@ def run_train(args, rest: list[str], parser: argparse.ArgumentParser) -> int:
             eval_dataset=eval_dataset,
             data_collator=JetSpecDataCollator(tokenizer),
             target_model=target,
+            callbacks=_tree_tau_callbacks(args, target, tokenizer, parser),
         )
     except ValueError as error:  # e.g. --eval_strategy steps without --eval-data
         parser.error(str(error))

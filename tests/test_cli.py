@@ -94,6 +94,8 @@ def trained_head(workdir, regenerated_data):
             str(head_dir),
             "--eval-data",
             str(regenerated_data),
+            "--tree-tau-prompts",
+            "2",
             "--block-size",
             "4",
             "--num-layers",
@@ -165,7 +167,8 @@ def test_train_saves_a_head_that_fits_and_a_summary(workdir, trained_head, capsy
     assert summary["steps"] == 3 and summary["num_examples"] == 3 and summary["num_loss_tokens"] > 0
     assert summary["loss"] == "fkl" and summary["gamma"] == 2.0 and summary["anchors"] == 4 and summary["lr"] == 1e-3
     assert summary["final_loss"] is not None and summary["seconds"] > 0
-    assert {"eval_loss", "eval_expected_accept_len", "eval_acc_depth_3"} <= set(summary["eval"])
+    assert {"eval_loss", "eval_expected_accept_len", "eval_acc_depth_3", "eval_tree_tau"} <= set(summary["eval"])
+    assert summary["eval"]["eval_tree_tau"] >= 1.0  # real generate() tau on two held-out prompts
     card = card_training_info(summary)
     assert card["steps"] == 3 and "3 examples" in card["data"] and card["loss"] == "fkl, gamma=2"
 
