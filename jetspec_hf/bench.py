@@ -3,7 +3,7 @@ other speculative methods transformers offers, on HumanEval and on held-out chat
 
     jetspec-hf bench [--head DIR] [--bidirectional-head DIR] [--datasets humaneval,chat] [--num-prompts 10]
                      [--max-new-tokens 128] [--temperatures 0,1] [--budgets 4,8,16,32,64,128,256] [--width W]
-                     [--methods ...] [--dtype float32|bfloat16] [--threads 1] [--output-dir docs]
+                     [--methods ...] [--sampling-methods ...] [--dtype float32|bfloat16] [--threads 1] [--output-dir docs]
 
 (`python bench/run.py ...` runs the same.) Methods, every one run through `target.generate()`:
 
@@ -111,6 +111,11 @@ def build_parser(prog: str = "jetspec-hf bench") -> argparse.ArgumentParser:
         "--methods",
         help="comma-separated subset of " + ", ".join(GROUPS) + " (a group, or one tree like jetspec_tree@16); "
         "plain always runs. Default: all (the dflash_*_bidir/tree ones with --bidirectional-head)",
+    )
+    parser.add_argument(
+        "--sampling-methods",
+        help="the methods run at T>0, same syntax as --methods (must be among them; plain always runs). "
+        "Default: the same as at T=0",
     )
     parser.add_argument("--prompt-lookup-num-tokens", type=int, default=10)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="of target and heads")
@@ -434,6 +439,11 @@ def main(argv: list[str] | None = None, prog: str = "jetspec-hf bench") -> int:
     if any(b < 1 for b in budgets) or args.num_prompts < 1 or args.max_new_tokens < 1:
         raise SystemExit("budgets, --num-prompts and --max-new-tokens must be >= 1")
     names = select_methods(args.methods, budgets, args.bidirectional_head is not None)
+    sampled_names = names
+    if args.sampling_methods:
+        sampled_names = select_methods(args.sampling_methods, budgets, args.bidirectional_head is not None)
+        if extra := [n for n in sampled_names if n not in names]:
+            raise SystemExit(f"--sampling-methods {', '.join(extra)}: not among the methods run at T=0")
     load_start = os.getloadavg()[0]
 
     log(f"loading target {args.target} ({args.dtype}) ...")
@@ -476,15 +486,16 @@ def main(argv: list[str] | None = None, prog: str = "jetspec-hf bench") -> int:
                 settings = generation_settings(tokenizer, args.max_new_tokens, temperature)
                 seeds = [args.seed + i if temperature > 0 else None for i in range(len(prompts))]
                 reference, plain_rate = None, None
+                run_methods = [m for m in methods if temperature == 0 or m.name in sampled_names]
                 bar = tqdm(
-                    total=len(methods) * len(prompts),
+                    total=len(run_methods) * len(prompts),
                     desc=f"{dataset} T={temperature:g}",
                     unit="gen",
                     file=sys.stderr,
                     disable=args.no_progress,
                     dynamic_ncols=True,
                 )
-                for method in methods:
+                for method in run_methods:
                     bar.set_postfix_str(method.name)
                     row = {
                         "dataset": dataset,

@@ -22,27 +22,12 @@ DEMO_PROMPTS = [
 
 
 def untrained_smollm2_head(target, tokenizer):
-    """A randomly initialised head shaped like the one trained for SmolLM2 (1 layer, taps 1/14/27, block 16)."""
-    from jetspec_hf import JetSpecConfig, JetSpecDraftHead
+    """A randomly initialised head shaped like the shipped one (`jetspec_hf.smollm2.smollm2_head_config`)."""
+    from jetspec_hf import JetSpecDraftHead
+    from jetspec_hf.smollm2 import smollm2_head_config
 
-    text = target.config
     torch.manual_seed(0)
-    config = JetSpecConfig(
-        vocab_size=text.vocab_size,
-        hidden_size=text.hidden_size,
-        intermediate_size=text.intermediate_size,
-        num_hidden_layers=1,
-        num_attention_heads=text.num_attention_heads,
-        num_key_value_heads=text.num_key_value_heads,
-        head_dim=text.hidden_size // text.num_attention_heads,
-        num_target_layers=text.num_hidden_layers,
-        target_layer_ids=[1, 14, 27],
-        mask_token_id=tokenizer.convert_tokens_to_ids("<empty_output>"),
-        block_size=16,
-        tree_budget=16,
-        tree_width=4,
-    )
-    return JetSpecDraftHead(config).eval()
+    return JetSpecDraftHead(smollm2_head_config(target, tokenizer)).eval()
 
 
 def timed_generate(target, ids, **kwargs):

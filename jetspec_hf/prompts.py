@@ -985,9 +985,9 @@ def _math_problem(rng: random.Random) -> tuple[str, str]:
             f"{n} friends share {k} cookies equally. How many cookies does each friend get, and how many are left over?"
         )
     if kind == 6:
-        w, l, c = rng.randint(3, 30), rng.randint(3, 40), rng.randint(5, 25)
+        w, length, c = rng.randint(3, 30), rng.randint(3, 40), rng.randint(5, 25)
         return "fence", (
-            f"A rectangular garden is {w} m wide and {l} m long. Fencing costs {_money(c)} per metre. "
+            f"A rectangular garden is {w} m wide and {length} m long. Fencing costs {_money(c)} per metre. "
             f"How much does it cost to fence the whole garden?"
         )
     if kind == 7:

