@@ -8,7 +8,7 @@ import os
 
 from transformers import AutoConfig, AutoModel
 
-from .generation import JetSpecCandidateGenerator, JetSpecStats, tree_generate
+from .generation import JetSpecCandidateGenerator, JetSpecStats, fast_draft_dtype, tree_generate
 from .modeling import JetSpecConfig, JetSpecDraftHead, default_target_layer_ids
 from .routing import check_head_fits_target, install_generate_hook, uninstall_generate_hook
 from .tree import DraftTree, build_tree, walk_tree
@@ -30,6 +30,7 @@ __all__ = [
     "build_tree",
     "check_head_fits_target",
     "default_target_layer_ids",
+    "fast_draft_dtype",
     "install_generate_hook",
     "tree_generate",
     "uninstall_generate_hook",

@@ -3,7 +3,8 @@ other speculative methods transformers offers, on HumanEval and on held-out chat
 
     jetspec-hf bench [--head DIR] [--bidirectional-head DIR] [--datasets humaneval,chat] [--num-prompts 10]
                      [--max-new-tokens 128] [--temperatures 0,1] [--budgets 4,8,16,32,64,128,256] [--width W]
-                     [--methods ...] [--sampling-methods ...] [--dtype float32|bfloat16] [--threads 1] [--output-dir docs]
+                     [--methods ...] [--sampling-methods ...]
+                     [--dtype float32|bfloat16] [--head-dtype auto|float32|bfloat16] [--threads 1] [--output-dir docs]
 
 (`python bench/run.py ...` runs the same.) Methods, every one run through `target.generate()`:
 
@@ -30,6 +31,7 @@ speedup against the tree budget) into --output-dir.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -118,7 +120,14 @@ def build_parser(prog: str = "jetspec-hf bench") -> argparse.ArgumentParser:
         "Default: the same as at T=0",
     )
     parser.add_argument("--prompt-lookup-num-tokens", type=int, default=10)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="of target and heads")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="of the target")
+    parser.add_argument(
+        "--head-dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="of the heads (drafting only: never changes the output). auto: bfloat16 beside a float32 target on a "
+        "CPU with AMX/AVX512-bf16 (`jetspec_hf.fast_draft_dtype`), else --dtype",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the CPU here is shared)")
     parser.add_argument("--seed", type=int, default=0, help="prompt i is sampled with seed + i at T>0")
     parser.add_argument("--output-dir", default="docs", help=f"writes {RESULTS_MD}, {RESULTS_JSON}, {PLOT_PNG}")
@@ -229,7 +238,9 @@ def select_methods(spec: str | None, budgets: list[int], have_bidirectional: boo
     return names
 
 
-def make_method(name: str, heads: dict, width: int | None, prompt_lookup_num_tokens: int) -> Method:
+def make_method(
+    name: str, heads: dict, width: int | None, prompt_lookup_num_tokens: int, target_dtype: torch.dtype | None = None
+) -> Method:
     group, _, budget = name.partition("@")
     if group == "plain":
         return Method(name, group)
@@ -238,7 +249,10 @@ def make_method(name: str, heads: dict, width: int | None, prompt_lookup_num_tok
     kind = "bidirectional" if group in BIDIRECTIONAL_GROUPS else "causal"
     head = heads[kind]
     block = head.config.block_size
-    if group in ("dflash_chain", "dflash_chain_bidir"):
+    if group in HF_CHAIN_GROUPS:
+        # transformers' DFlash loop needs the head in the target's dtype (our loop drafts in the head's own).
+        if target_dtype is not None and head.dtype != target_dtype:
+            head = copy.deepcopy(head).to(target_dtype)
         return Method(name, group, {"assistant_model": head, "speculation_type": "dflash"}, block, kind)
     if group == "jetspec_chain":
         chain = {"tree_budget": block, "tree_width": 1, "tree_depth": block - 1}
@@ -421,7 +435,7 @@ def main(argv: list[str] | None = None, prog: str = "jetspec-hf bench") -> int:
     command = shlex.join([*shlex.split(prog), *argv])
     from tqdm.auto import tqdm
 
-    from . import check_head_fits_target, install_generate_hook
+    from . import check_head_fits_target, fast_draft_dtype, install_generate_hook
 
     install_generate_hook()  # JETSPEC_HF_NO_GENERATE_HOOK=1 would route assistant_model=head to transformers' loop
 
@@ -449,11 +463,13 @@ def main(argv: list[str] | None = None, prog: str = "jetspec-hf bench") -> int:
     log(f"loading target {args.target} ({args.dtype}) ...")
     target, tokenizer = load_target(args.target, dtype)
     heads, head_info = {}, {}
+    auto_dtype = args.head_dtype == "auto"
+    head_dtype = fast_draft_dtype(dtype, target.device) if auto_dtype else getattr(torch, args.head_dtype)
     if any(n.partition("@")[0] in CAUSAL_HEAD_GROUPS for n in names):
-        heads["causal"], head_info["causal"] = load_head(args.head, target, tokenizer, args.target, dtype, log)
+        heads["causal"], head_info["causal"] = load_head(args.head, target, tokenizer, args.target, head_dtype, log)
     if args.bidirectional_head is not None:
         heads["bidirectional"], head_info["bidirectional"] = load_head(
-            args.bidirectional_head, target, tokenizer, args.target, dtype, log
+            args.bidirectional_head, target, tokenizer, args.target, head_dtype, log
         )
     for kind, head in heads.items():
         check_head_fits_target(head, target)  # a head trained for another model fails here, before any timing
@@ -466,8 +482,9 @@ def main(argv: list[str] | None = None, prog: str = "jetspec-hf bench") -> int:
             "tree_width": args.width or head.config.tree_width,
             "target_layer_ids": list(head.config.target_layer_ids),
             "num_hidden_layers": head.config.num_hidden_layers,
+            "dtype": str(head.dtype).removeprefix("torch."),
         }
-    methods = [make_method(n, heads, args.width, args.prompt_lookup_num_tokens) for n in names]
+    methods = [make_method(n, heads, args.width, args.prompt_lookup_num_tokens, target.dtype) for n in names]
 
     prompt_sets = {}
     for name in datasets:
@@ -593,7 +610,8 @@ def main(argv: list[str] | None = None, prog: str = "jetspec-hf bench") -> int:
         f"Target: {args.target} ({args.dtype}, sdpa). Heads: "
         + (
             "; ".join(
-                f"{k}: {v['path']} (block {v['block_size']}, width {v['tree_width']}, taps {v['target_layer_ids']})"
+                f"{k}: {v['path']} (block {v['block_size']}, width {v['tree_width']}, taps {v['target_layer_ids']}, "
+                f"drafting in {v['dtype']})"
                 for k, v in head_info.items()
             )
             or "none"

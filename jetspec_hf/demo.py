@@ -45,26 +45,27 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     import jetspec_hf  # noqa: F401  (routes generate(assistant_model=head))
-    from jetspec_hf import JetSpecDraftHead
+    from jetspec_hf import JetSpecDraftHead, fast_draft_dtype
     from jetspec_hf.smollm2 import load_smollm2
 
     print("[demo] loading SmolLM2-135M-Instruct (converted from GGUF on first use) ...", file=sys.stderr)
     target, tokenizer = load_smollm2(dtype=torch.float32)
+    draft_dtype = fast_draft_dtype(target.dtype, target.device)  # drafting precision never changes the output
     if (Path(args.head) / "config.json").exists():
-        head = JetSpecDraftHead.from_pretrained(args.head)
+        head = JetSpecDraftHead.from_pretrained(args.head, dtype=draft_dtype)
     elif args.head == str(SHIPPED_HEAD):
         print(
             "[demo] NOTE: no trained SmolLM2 head is shipped yet (it is being trained: see docs/benchmarks.md). This "
             "run uses an UNTRAINED head of the same shape: it shows that the output is unchanged, not a speedup.",
             file=sys.stderr,
         )
-        head = untrained_smollm2_head(target, tokenizer)
+        head = untrained_smollm2_head(target, tokenizer).to(draft_dtype)
     else:
         print(f"no draft head at {args.head}: train one with `jetspec-hf train` (docs/training.md)", file=sys.stderr)
         return 1
     print(
         f"[demo] head: {args.head} ({'JetSpec causal' if head.config.causal else 'DFlash bidirectional'}, "
-        f"block {head.config.block_size}, taps {head.config.target_layer_ids})",
+        f"block {head.config.block_size}, taps {head.config.target_layer_ids}, drafting in {head.dtype})",
         file=sys.stderr,
     )
     tree = {} if args.tree_budget is None else {"tree_budget": args.tree_budget}

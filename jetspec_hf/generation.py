@@ -60,7 +60,14 @@ class JetSpecCandidateGenerator:
     def __init__(self, head, target, tree_budget: int, tree_width: int, tree_depth: int):
         self.head = head
         self.input_embeddings = target.get_input_embeddings()
-        self.output_embeddings = target.get_output_embeddings()
+        output_embeddings = target.get_output_embeddings()
+        # The draft never changes the output (the target verifies every token), so it runs in the head's dtype end to
+        # end: a bf16 head beside an fp32 target projects its slots with a bf16 copy of the target's lm_head. On CPUs
+        # with AMX that projection (the largest part of drafting) is ~5x faster than in fp32.
+        weight = output_embeddings.weight.detach()
+        bias = getattr(output_embeddings, "bias", None)
+        self.draft_projection = (weight.to(head.dtype), None if bias is None else bias.detach().to(head.dtype))
+        self.vocab_size = weight.shape[0]
         self.target_layer_ids = list(head.config.target_layer_ids)
         self.tree_budget, self.tree_width, self.tree_depth = tree_budget, tree_width, tree_depth
         self.cache = DynamicCache()  # context keys/values only: block keys/values are cropped after every forward
@@ -76,7 +83,7 @@ class JetSpecCandidateGenerator:
         """Per-depth draft log-probs `[max_depth, V]` for the block anchored at `input_ids[0, -1]`."""
         head, config = self.head, self.head.config
         if max_depth == 0:  # only the root is left to verify: nothing to draft
-            return torch.empty(0, self.output_embeddings.weight.shape[0])
+            return torch.empty(0, self.vocab_size)
         context = torch.cat(self.pending_context).to(head.device, head.dtype)[None]
         self.pending_context = []
         num_cached = self.cache.get_seq_length()
@@ -88,8 +95,8 @@ class JetSpecCandidateGenerator:
         self.cache.crop(-config.block_size)
         self.stats.head_forwards += 1
         slots = out.last_hidden_state[0, 1 : 1 + max_depth]  # slot d drafts depth d (in-place heads)
-        weight = self.output_embeddings.weight
-        logits = self.output_embeddings(slots.to(weight.device, weight.dtype)).float()
+        weight, bias = self.draft_projection
+        logits = nn.functional.linear(slots.to(weight.device), weight, bias).float()
         if len(logits_processor):
             # Warp the draft like the target (temperature, top-k/p, penalties) so the tree follows what gets picked.
             logits = logits_processor(input_ids.expand(max_depth, -1), logits)
@@ -97,6 +104,18 @@ class JetSpecCandidateGenerator:
 
     def build_tree(self, root_token: int, draft_logprobs: torch.Tensor) -> DraftTree:
         return build_tree(root_token, draft_logprobs.cpu(), self.tree_budget, self.tree_width)
+
+
+def fast_draft_dtype(target_dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.dtype:
+    """The dtype to load a head in for drafting beside a target of `target_dtype` on `device`.
+
+    bf16 for an fp32 target on a CPU with native bf16 matrix units (AMX tiles or AVX512-bf16): drafting precision never
+    changes the output, and there the draft is several times cheaper in bf16. Otherwise the target's dtype.
+    """
+    device = torch.device(device)
+    cpu = device.type == "cpu"
+    cpu_has_bf16 = cpu and (torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
+    return torch.bfloat16 if target_dtype == torch.float32 and cpu_has_bf16 else target_dtype
 
 
 def tree_attention_mask(

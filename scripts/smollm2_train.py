@@ -56,10 +56,14 @@ def main():
     parser.add_argument("--loss", default="fkl", choices=["fkl", "sft", "rkl"])
     parser.add_argument("--gamma", type=float, default=4.0, help="slot weights exp(-(k-1)/gamma)")
     parser.add_argument("--warmup-steps", type=int, default=50)
+    parser.add_argument(
+        "--fp32", action="store_true", help="train in float32 (default: target in bf16 and the head under bf16 "
+        "autocast, ~1.7x faster on CPUs with AMX/AVX512-bf16)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("THREADS", "1")))
 
-    target, tokenizer = load_smollm2(dtype=torch.float32)
+    target, tokenizer = load_smollm2(dtype=torch.float32 if args.fp32 else torch.bfloat16)
     conversations = load_conversations(args.data) if Path(args.data).exists() else []
     conversations += stdlib_chunks(args.corpus)
     dataset = TokenizedChatDataset(conversations, tokenizer, max_length=512)
@@ -72,7 +76,7 @@ def main():
         output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=1, learning_rate=args.lr,
         lr_scheduler_type="cosine", warmup_steps=args.warmup_steps, weight_decay=0.0, logging_steps=10,
         logging_first_step=True, disable_tqdm=True, save_steps=args.save_steps, save_total_limit=2,
-        num_anchors=args.num_anchors, loss_type=args.loss, gamma=args.gamma, report_to=[], use_cpu=True,
+        num_anchors=args.num_anchors, loss_type=args.loss, gamma=args.gamma, report_to=[], use_cpu=True, bf16=not args.fp32,
         dataloader_num_workers=0, seed=0,
     )
     trainer = JetSpecTrainer(head, training_args, train_dataset=dataset, data_collator=JetSpecDataCollator(tokenizer),

@@ -74,3 +74,27 @@ def test_causal_and_bidirectional_heads_and_tree_shapes():
             )
             assert torch.equal(out, plain)
             assert max(head.last_generate_stats.tree_sizes) <= budget
+
+
+def test_bf16_head_drafts_in_bf16_beside_an_fp32_target():
+    """A head loaded in bf16 drafts in bf16 (its own bf16 copy of the lm_head); the output stays plain greedy's."""
+    from transformers import LogitsProcessorList
+
+    from jetspec_hf import JetSpecCandidateGenerator
+
+    target = tiny_target("llama")
+    head32 = tiny_head(target)
+    head16 = tiny_head(target).to(torch.bfloat16)
+    drafts = {}
+    for name, head in (("fp32", head32), ("bf16", head16)):
+        generator = JetSpecCandidateGenerator(head, target, tree_budget=8, tree_width=2, tree_depth=4)
+        assert generator.draft_projection[0].dtype == head.dtype
+        context = torch.randn(5, 2 * target.config.hidden_size, generator=torch.Generator().manual_seed(0))
+        generator.extend_context(context)
+        drafts[name] = generator.draft(torch.tensor([[5, 6, 7, 8, 9]]), LogitsProcessorList(), max_depth=4)
+    assert drafts["bf16"].dtype == torch.float32
+    torch.testing.assert_close(drafts["bf16"], drafts["fp32"], atol=0.1, rtol=0.05)  # bf16 rounding only
+    assert target.get_output_embeddings().weight.dtype == torch.float32  # the target is left as it was
+    for ids in prompts(3, seed=5):
+        plain = target.generate(ids, max_new_tokens=12, do_sample=False)
+        assert torch.equal(target.generate(ids, assistant_model=head16, max_new_tokens=12, do_sample=False), plain)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from jetspec_hf import smollm2 as S
+from jetspec_hf.demo import SHIPPED_HEAD
 
 
 def _installed() -> bool:
@@ -200,3 +201,35 @@ def test_interrupted_conversion_leaves_no_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(S, "_convert", good_convert)
     assert S.smollm2_path(cache_dir=tmp_path / "cache", progress=False) == stale
     assert sorted(p.name for p in stale.iterdir()) == [S.MARKER_FILE]
+
+
+def test_shipped_head_is_a_complete_checkpoint_for_smollm2():
+    from jetspec_hf import JetSpecDraftHead
+
+    assert {"config.json", "model.safetensors", "README.md"} <= {p.name for p in SHIPPED_HEAD.iterdir()}
+    head = JetSpecDraftHead.from_pretrained(SHIPPED_HEAD, dtype=torch.float32)  # raises on missing/extra weights
+    config = head.config
+    assert config.causal and config.block_size == 8 and list(config.target_layer_ids) == S.HEAD_TARGET_LAYER_IDS
+    assert (config.hidden_size, config.vocab_size, config.num_target_layers) == (576, 49152, 30)
+    assert sum(p.stat().st_size for p in SHIPPED_HEAD.iterdir()) < 30 * 2**20  # small enough to ship in git
+    card = (SHIPPED_HEAD / "README.md").read_text()
+    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card and "smollm2_train.py" in card
+
+
+@needs_model
+def test_shipped_head_is_lossless_and_accepts_drafts(smollm2):
+    """The trained head drafts what SmolLM2 says: greedy output unchanged, several tokens per target forward."""
+    import jetspec_hf  # noqa: F401  (routes generate(assistant_model=head))
+    from jetspec_hf import JetSpecDraftHead, check_head_fits_target
+
+    model, tokenizer = smollm2
+    head = JetSpecDraftHead.from_pretrained(SHIPPED_HEAD, dtype=torch.float32)
+    check_head_fits_target(head, model)
+    messages = [{"role": "user", "content": "Write a Python function that returns the squares of a list of numbers."}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    settings = dict(max_new_tokens=40, do_sample=False)
+    plain = model.generate(**ids, **settings)
+    fast = model.generate(**ids, assistant_model=head, **settings)
+    assert torch.equal(plain, fast)
+    # An untrained head of this shape gets tau 1.00 here; the shipped head's tau on this prompt is in the notes.
+    assert head.last_generate_stats.tau > 1.8, head.last_generate_stats.accepted_lengths

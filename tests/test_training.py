@@ -1,4 +1,4 @@
-"""Tests of jetspec_hf.training: the pure pieces, training/inference equivalence, and the real Trainer on tiny targets."""
+"""Tests of jetspec_hf.training: the pure pieces, training/inference equivalence, the real Trainer on tiny targets."""
 
 import json
 import math

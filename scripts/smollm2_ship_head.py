@@ -1,0 +1,91 @@
+"""Issue 4 shipping step: copy a trained SmolLM2 head into the package, with its model card.
+
+    python scripts/smollm2_ship_head.py RUN_DIR [--bench docs/benchmark_results.json] [--tree-budget B]
+                                        [--tree-width W] [--out DIR] --conversations N
+
+RUN_DIR is the output directory of scripts/smollm2_train.py (its final `save_model`, or one `checkpoint-N`). The
+head lands in --out (default jetspec_hf/heads/smollm2-135m-instruct/: config.json, model.safetensors, README.md),
+in bf16 unless --dtype float32 (half the size; the benchmark and the demo load heads in float32). With --bench, the
+card's measured table is the benchmark's T=0 JetSpec rows (tau, speedup) of that run; the default tree of the
+config is set with --tree-budget / --tree-width (the demo and `generate()` use it when the caller gives none).
+"""
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from jetspec_hf import JetSpecDraftHead
+from jetspec_hf.hub import model_card
+
+SHIPPED = Path(__file__).resolve().parents[1] / "jetspec_hf" / "heads" / "smollm2-135m-instruct"
+TARGET = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def bench_measurements(path: Path) -> list[dict]:
+    result = json.loads(path.read_text())
+    rows = []
+    for row in result["rows"]:
+        if row["temperature"] != 0 or row["group"] not in ("jetspec_chain", "jetspec_tree") or row.get("error"):
+            continue
+        rows.append({
+            "dataset": f"{row['dataset']} ({row['prompts']} prompts)",
+            "budget": row["budget"],
+            "tau": round(row["tau"], 2),
+            "speedup": f"{row['speedup']:.2f}x",
+            "hardware": "2-core CPU, fp32, same-run plain generate() baseline",
+        })
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("run_dir")
+    parser.add_argument("--out", default=str(SHIPPED), help="default: the package's shipped head directory")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="of the saved weights")
+    parser.add_argument("--bench", help="benchmark_results.json of `jetspec-hf bench` with this head")
+    parser.add_argument("--tree-budget", type=int)
+    parser.add_argument("--tree-width", type=int)
+    parser.add_argument("--steps", type=int, help="optimizer steps the head was trained for (for the card)")
+    parser.add_argument("--hours", type=float, help="wall-clock training time (for the card)")
+    parser.add_argument("--conversations", type=int, required=True, help="training conversations (for the card)")
+    args = parser.parse_args()
+
+    head = JetSpecDraftHead.from_pretrained(args.run_dir, dtype=torch.float32)
+    if args.tree_budget is not None:
+        head.config.tree_budget = args.tree_budget
+    if args.tree_width is not None:
+        head.config.tree_width = args.tree_width
+    trainer_state = Path(args.run_dir) / "trainer_state.json"
+    state = json.loads(trainer_state.read_text()) if trainer_state.exists() else {}
+    steps = args.steps or state.get("global_step")
+    training = {
+        "data": "answers of SmolLM2-135M-Instruct itself (greedy, fp32, up to 320 new tokens) to offline prompts: "
+        "CPython standard-library functions and docstrings, Python documentation topics, composed general and "
+        "math instructions (`jetspec_hf.prompts`; no HumanEval); held-out split by subject",
+        "conversations": args.conversations,
+        "loss": "forward KL to the target's distribution at each drafted slot, slot weights exp(-(k-1)/4)",
+        "anchors": "128 random anchors per conversation, one conversation per step",
+        "steps": steps,
+        "optimizer": "AdamW, lr 6e-4, cosine, 50 warm-up steps",
+        "hardware": f"2 CPU cores, fp32{f', {args.hours:.1f} h' if args.hours else ''}",
+        "command": f"THREADS=2 python scripts/smollm2_train.py RUN_DIR --max-steps {steps}",
+    }
+    measured = bench_measurements(Path(args.bench)) if args.bench else None
+
+    out = Path(args.out)
+    if out.exists():
+        shutil.rmtree(out)
+    head.to(getattr(torch, args.dtype)).save_pretrained(out)
+    card = model_card(
+        head, target_model=TARGET, training=training, measured=measured, license="apache-2.0", remote_code=False
+    )
+    (out / "README.md").write_text(card)
+    size = sum(p.stat().st_size for p in out.iterdir())
+    print(f"shipped {args.run_dir} -> {out} ({size / 2**20:.1f} MiB)")
+
+
+if __name__ == "__main__":
+    main()
