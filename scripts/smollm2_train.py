@@ -76,7 +76,8 @@ def main():
         output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=1, learning_rate=args.lr,
         lr_scheduler_type="cosine", warmup_steps=args.warmup_steps, weight_decay=0.0, logging_steps=10,
         logging_first_step=True, disable_tqdm=True, save_steps=args.save_steps, save_total_limit=2,
-        num_anchors=args.num_anchors, loss_type=args.loss, gamma=args.gamma, report_to=[], use_cpu=True, bf16=not args.fp32,
+        num_anchors=args.num_anchors, loss_type=args.loss, gamma=args.gamma, report_to=[], use_cpu=True,
+        bf16=not args.fp32,
         dataloader_num_workers=0, seed=0,
     )
     trainer = JetSpecTrainer(head, training_args, train_dataset=dataset, data_collator=JetSpecDataCollator(tokenizer),
