@@ -46,6 +46,7 @@ def main():
     parser.add_argument("output_dir")
     parser.add_argument("--bidirectional", action="store_true", help="train the DFlash-style baseline head")
     parser.add_argument("--data", default="data/smollm2/regenerated_train.jsonl")
+    parser.add_argument("--limit", type=int, help="train on the first N regenerated conversations only")
     parser.add_argument("--corpus", type=int, default=0, help="stdlib source chunks added as answers")
     parser.add_argument("--max-steps", type=int, default=2000)
     parser.add_argument("--save-steps", type=int, default=50)
@@ -64,7 +65,7 @@ def main():
     torch.set_num_threads(int(os.environ.get("THREADS", "1")))
 
     target, tokenizer = load_smollm2(dtype=torch.float32 if args.fp32 else torch.bfloat16)
-    conversations = load_conversations(args.data) if Path(args.data).exists() else []
+    conversations = load_conversations(args.data)[: args.limit] if Path(args.data).exists() else []
     conversations += stdlib_chunks(args.corpus)
     dataset = TokenizedChatDataset(conversations, tokenizer, max_length=512)
     print(f"{len(dataset)} training conversations ({len(conversations)} loaded)")
