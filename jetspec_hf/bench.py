@@ -16,7 +16,8 @@ other speculative methods transformers offers, on HumanEval and on held-out chat
     dflash_chain_bidir  transformers' DFlash chain mode with the bidirectional head (--bidirectional-head)
     dflash_tree@B       the bidirectional head drafting the same trees
 
-For every (dataset, temperature, method) all prompts run once, after one untimed warm-up call of the method. Before
+For every (dataset, temperature) each method makes one untimed warm-up call, then the prompts run round-robin: each
+prompt through every method before the next prompt, so a shared machine's drifting speed hits all methods alike. Before
 each call at T>0 the random generator is seeded with the prompt's seed, the same for every method, so that JetSpec
 decoding (which draws every committed token exactly as plain sampling does) must reproduce plain sampling token for
 token. tau = committed tokens per target decode forward: target forwards are counted with a forward pre-hook, the
@@ -512,8 +513,36 @@ def main(argv: list[str] | None = None, prog: str = "jetspec-hf bench") -> int:
                     disable=args.no_progress,
                     dynamic_ncols=True,
                 )
+                results = {m.name: {"records": [], "outputs": [], "error": None} for m in run_methods}
+
+                def attempt(method, prompt, call_settings, seed):
+                    """Runs one call; a failure is kept for the table (plain's failure ends the run)."""
+                    result = results[method.name]
+                    if result["error"] is not None:
+                        return None
+                    try:
+                        return run_call(target, counter, method, prompt, call_settings, seed)
+                    except Exception as error:  # reported in the table; a JetSpec failure also fails the run
+                        if method.group == "plain":
+                            raise
+                        result["error"] = f"{type(error).__name__}: {error}"
+                        log(f"{dataset} T={temperature:g} {method.name}: FAILED ({result['error']})")
+                        return None
+
+                warm = {**settings, "max_new_tokens": min(args.max_new_tokens, 16)}
                 for method in run_methods:
-                    bar.set_postfix_str(method.name)
+                    attempt(method, prompts[0], warm, seeds[0])  # warm-up, untimed
+                # Round-robin: each prompt goes through every method before the next prompt, so the drift of a shared
+                # machine's speed over minutes (up to 2x on the 2-core machine of this project) hits all methods alike.
+                for prompt, seed in zip(prompts, seeds):
+                    for method in run_methods:
+                        bar.set_postfix_str(method.name)
+                        done = attempt(method, prompt, settings, seed)
+                        if done is not None:
+                            results[method.name]["outputs"].append(done[0])
+                            results[method.name]["records"].append(done[1])
+                        bar.update(1)
+                for method in run_methods:
                     row = {
                         "dataset": dataset,
                         "temperature": temperature,
@@ -523,24 +552,11 @@ def main(argv: list[str] | None = None, prog: str = "jetspec-hf bench") -> int:
                         "head": method.head,
                         "prompts": len(prompts),
                         "identical": None,
-                        "error": None,
+                        "error": results[method.name]["error"],
                         "generate_kwargs": {k: v for k, v in method.kwargs.items() if k != "assistant_model"},
                     }
-                    records, outputs = [], []
-                    try:
-                        warm = {**settings, "max_new_tokens": min(args.max_new_tokens, 16)}
-                        run_call(target, counter, method, prompts[0], warm, seeds[0])  # warm-up, untimed
-                        for prompt, seed in zip(prompts, seeds):
-                            tokens, record = run_call(target, counter, method, prompt, settings, seed)
-                            records.append(record)
-                            outputs.append(tokens)
-                            bar.update(1)
-                    except Exception as error:  # reported in the table; a JetSpec failure also fails the run
-                        if method.group == "plain":
-                            raise
-                        row["error"] = f"{type(error).__name__}: {error}"
-                        bar.update(len(prompts) - len(records))
-                        log(f"{dataset} T={temperature:g} {method.name}: FAILED ({row['error']})")
+                    records, outputs = results[method.name]["records"], results[method.name]["outputs"]
+                    if row["error"] is not None:
                         rows.append(row)
                         continue
                     row.update(summarize(records))

@@ -101,11 +101,19 @@ def test_bench_runs_every_method_and_checks_outputs(tmp_path, chat_tokenizer, ca
     assert "chat T=0 jetspec_tree@8: tau" in printed.err  # the per-method summary lines
 
 
-def test_sampling_methods_run_a_subset_at_t1(tmp_path, chat_tokenizer):
+def test_sampling_methods_run_a_subset_at_t1(tmp_path, chat_tokenizer, monkeypatch):
+    calls = []
+    real_run_call = bench.run_call
+
+    def recording_run_call(target, counter, method, prompt, settings, seed):
+        calls.append((method.name, prompt.id, seed))
+        return real_run_call(target, counter, method, prompt, settings, seed)
+
+    monkeypatch.setattr(bench, "run_call", recording_run_call)
     out = tmp_path / "out"
     argv = [
         *tiny_bench_files(tmp_path, chat_tokenizer),
-        "--num-prompts", "1", "--budgets", "4,8", "--max-new-tokens", "6", "--temperatures", "0,1",
+        "--num-prompts", "2", "--budgets", "4,8", "--max-new-tokens", "6", "--temperatures", "0,1",
         "--methods", "prompt_lookup,jetspec_tree", "--sampling-methods", "jetspec_tree@8",
         "--output-dir", str(out), "--no-progress", "--no-plot",
     ]  # fmt: skip
@@ -116,6 +124,10 @@ def test_sampling_methods_run_a_subset_at_t1(tmp_path, chat_tokenizer):
         0.0: ["plain", "prompt_lookup", "jetspec_tree@4", "jetspec_tree@8"],
         1.0: ["plain", "jetspec_tree@8"],
     }
+    # T=0: one warm-up call per method on the first prompt, then round-robin: each prompt through every method
+    methods_t0 = by_temperature[0.0]
+    t0_calls = [(name, prompt) for name, prompt, _ in calls[: 3 * len(methods_t0)]]
+    assert t0_calls == [(m, "a") for m in methods_t0] + [(m, p) for p in ("a", "b") for m in methods_t0]
     with pytest.raises(SystemExit, match="not among the methods run at T=0"):
         bench.main([*argv[:-4], "--sampling-methods", "dflash_chain", "--output-dir", str(out)])
 
