@@ -1,12 +1,13 @@
 """Issue 4 shipping step: copy a trained SmolLM2 head into the package, with its model card.
 
     python scripts/smollm2_ship_head.py RUN_DIR [--bench docs/benchmark_results.json] [--tree-budget B]
-                                        [--tree-width W] [--out DIR] --conversations N
+                                        [--tree-width W] [--out DIR] [--hours H] --conversations N
 
 RUN_DIR is the output directory of scripts/smollm2_train.py (its final `save_model`, or one `checkpoint-N`). The
 head lands in --out (default jetspec_hf/heads/smollm2-135m-instruct/: config.json, model.safetensors, README.md),
-in bf16 unless --dtype float32 (half the size; the benchmark and the demo load heads in float32). With --bench, the
-card's measured table is the benchmark's T=0 JetSpec rows (tau, speedup) of that run; the default tree of the
+in bf16 unless --dtype float32 (half the size; the demo and the benchmark load heads in
+`jetspec_hf.fast_draft_dtype`). The card's training table reads the recipe from RUN_DIR/training_args.bin. With
+--bench, its measured table is the benchmark's T=0 JetSpec rows (tau, speedup) of that run; the default tree of the
 config is set with --tree-budget / --tree-width (the demo and `generate()` use it when the caller gives none).
 """
 
@@ -48,7 +49,6 @@ def main():
     parser.add_argument("--bench", help="benchmark_results.json of `jetspec-hf bench` with this head")
     parser.add_argument("--tree-budget", type=int)
     parser.add_argument("--tree-width", type=int)
-    parser.add_argument("--steps", type=int, help="optimizer steps the head was trained for (for the card)")
     parser.add_argument("--hours", type=float, help="wall-clock training time (for the card)")
     parser.add_argument("--conversations", type=int, required=True, help="training conversations (for the card)")
     args = parser.parse_args()
@@ -58,21 +58,24 @@ def main():
         head.config.tree_budget = args.tree_budget
     if args.tree_width is not None:
         head.config.tree_width = args.tree_width
-    trainer_state = Path(args.run_dir) / "trainer_state.json"
-    state = json.loads(trainer_state.read_text()) if trainer_state.exists() else {}
-    steps = args.steps or state.get("global_step")
+    # The recipe as the run recorded it (the Trainer saves its arguments beside the weights), not as remembered.
+    recipe = torch.load(Path(args.run_dir) / "training_args.bin", weights_only=False)
+    precision = "target in bf16, head under bf16 autocast" if recipe.bf16 else "float32"
+    weights = "uniform" if recipe.gamma == 0 else f"slot weights exp(-(k-1)/{recipe.gamma:g})"
     training = {
         "data": "answers of SmolLM2-135M-Instruct itself (greedy, fp32, up to 320 new tokens) to offline prompts: "
         "CPython standard-library functions and docstrings, Python documentation topics, composed general and "
         "math instructions (`jetspec_hf.prompts`; no HumanEval); held-out split by subject",
         "conversations": args.conversations,
-        "loss": "forward KL to the target's distribution at each drafted slot, slot weights exp(-(k-1)/4)",
-        "anchors": "128 random anchors per conversation, one conversation per step",
-        "steps": steps,
-        "optimizer": "AdamW, lr 6e-4, cosine, 50 warm-up steps; target in bf16, head under bf16 autocast",
+        "loss": f"{recipe.loss_type} (against the target's distribution at each drafted slot), {weights}",
+        "anchors": f"{recipe.num_anchors} random anchors per conversation, "
+        f"{recipe.per_device_train_batch_size} conversation(s) per step",
+        "steps": recipe.max_steps,
+        "optimizer": f"AdamW, lr {recipe.learning_rate:g}, {recipe.lr_scheduler_type.value}, "
+        f"{recipe.warmup_steps} warm-up steps; {precision}",
         "hardware": f"1 core of a 2-core CPU (bf16 AMX){f', {args.hours:.1f} h' if args.hours else ''}",
-        "command": f"THREADS=1 python scripts/smollm2_train.py RUN_DIR --limit {args.conversations} --max-steps {steps}"
-        + ("" if head.config.causal else " --bidirectional"),
+        "command": f"THREADS=1 python scripts/smollm2_train.py RUN_DIR --limit {args.conversations} "
+        f"--max-steps {recipe.max_steps}" + ("" if head.config.causal else " --bidirectional"),
     }
     measured = bench_measurements(Path(args.bench)) if args.bench else None
 

@@ -59,7 +59,7 @@ def main():
     parser.add_argument("--warmup-steps", type=int, default=50)
     parser.add_argument(
         "--fp32", action="store_true", help="train in float32 (default: target in bf16 and the head under bf16 "
-        "autocast, ~1.7x faster on CPUs with AMX/AVX512-bf16)",
+        "autocast, 2-3x faster per step on CPUs with AMX/AVX512-bf16)",
     )
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("THREADS", "1")))
