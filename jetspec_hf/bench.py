@@ -166,8 +166,9 @@ def load_head(path: str | None, target, tokenizer, target_name: str, dtype: torc
         from .demo import untrained_smollm2_head
 
         log(
-            "NOTE: no trained SmolLM2 head is shipped yet; benchmarking an UNTRAINED head of the same shape. Its "
-            "identity checks are meaningful, its tau and speedup are not. Pass --head DIR for a trained head."
+            "NOTE: the shipped SmolLM2 head is missing from this install; benchmarking an UNTRAINED head of the same "
+            "shape. Its identity checks are meaningful, its tau and speedup are not."
+            " Pass --head DIR for a trained head."
         )
         return untrained_smollm2_head(target, tokenizer).to(dtype), "UNTRAINED head (no shipped head found)"
     if not (Path(path) / "config.json").exists():

@@ -55,7 +55,7 @@ def main(argv=None) -> int:
         head = JetSpecDraftHead.from_pretrained(args.head, dtype=draft_dtype)
     elif args.head == str(SHIPPED_HEAD):
         print(
-            "[demo] NOTE: no trained SmolLM2 head is shipped yet (it is being trained: see docs/benchmarks.md). This "
+            "[demo] NOTE: the shipped SmolLM2 head is missing from this install (jetspec_hf/heads/). This "
             "run uses an UNTRAINED head of the same shape: it shows that the output is unchanged, not a speedup.",
             file=sys.stderr,
         )

@@ -98,3 +98,13 @@ def test_bf16_head_drafts_in_bf16_beside_an_fp32_target():
     for ids in prompts(3, seed=5):
         plain = target.generate(ids, max_new_tokens=12, do_sample=False)
         assert torch.equal(target.generate(ids, assistant_model=head16, max_new_tokens=12, do_sample=False), plain)
+
+
+def test_fast_draft_dtype():
+    from jetspec_hf import fast_draft_dtype
+
+    native_bf16 = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    assert fast_draft_dtype(torch.float32, "cpu") == (torch.bfloat16 if native_bf16 else torch.float32)
+    assert fast_draft_dtype(torch.bfloat16, "cpu") == torch.bfloat16
+    assert fast_draft_dtype(torch.float16, "cpu") == torch.float16
+    assert fast_draft_dtype(torch.float32, "cuda") == torch.float32  # only CPUs switch: GPUs draft in the target's
