@@ -12,44 +12,16 @@ import os
 import sys
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from jetspec_hf import JetSpecConfig, JetSpecDraftHead
 from jetspec_hf.training import JetSpecTrainer, JetSpecTrainingArguments
 
-VOCAB, HIDDEN, LAYERS = 96, 32, 4
+from tiny_models import CPU_TRAINING, VOCAB, tiny_head, tiny_target  # the script's folder, tests/, is on sys.path
 
 
 def main(output_dir: str) -> None:
-    torch.manual_seed(0)  # the same target and initial head on every rank
-    target = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=HIDDEN,
-            intermediate_size=64,
-            num_hidden_layers=LAYERS,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=256,
-            initializer_range=0.2,
-        )
-    )
-    head = JetSpecDraftHead(
-        JetSpecConfig(
-            vocab_size=VOCAB,
-            hidden_size=HIDDEN,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            block_size=4,
-            num_target_layers=LAYERS,
-            target_layer_ids=[0, 2],
-            mask_token_id=VOCAB - 1,
-            max_position_embeddings=256,
-        )
-    )
+    # the same (seeded) target and initial head on every rank
+    target = tiny_target("llama", logit_scale=1.0, max_position_embeddings=256, initializer_range=0.2)
+    head = tiny_head(target, block_size=4, num_hidden_layers=1, max_position_embeddings=256)
     generator = torch.Generator().manual_seed(1)
     data = []
     for _ in range(8):
@@ -67,12 +39,8 @@ def main(output_dir: str) -> None:
         max_steps=2,
         learning_rate=1e-2,
         num_anchors=4,
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
         logging_steps=1,
-        disable_tqdm=True,
-        seed=0,
+        **CPU_TRAINING,
     )
     trainer = JetSpecTrainer(head, args, train_dataset=data, eval_dataset=eval_data, target_model=target)
     trainer.train()

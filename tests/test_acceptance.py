@@ -21,20 +21,20 @@ def assert_cache_equals_fresh_forward(target, out):
         torch.testing.assert_close(got.values, want.values, atol=1e-5, rtol=1e-5)
 
 
+def oracle_generate(target, ids, oracle, **kwargs):
+    """`generate()` through `tree_generate` with the oracle's trees; the output holds the cache."""
+    return target.generate(
+        ids, custom_generate=tree_generate, candidate_generator=oracle, return_dict_in_generate=True, **kwargs
+    )
+
+
 def test_full_depth_paths_are_accepted_in_one_step_and_the_cache_is_exact():
     target = tiny_target("qwen3")
     ids = torch.tensor([[3, 14, 15, 92, 65, 35]])
     plain = target.generate(ids, max_new_tokens=21, do_sample=False, eos_token_id=None)
     depth = 4
     oracle = OracleTreeGenerator(plain[0].tolist(), width=3, depth=depth, miss_rate=0.0, seed=7)
-    out = target.generate(
-        ids,
-        custom_generate=tree_generate,
-        candidate_generator=oracle,
-        max_new_tokens=21,
-        eos_token_id=None,
-        return_dict_in_generate=True,
-    )
+    out = oracle_generate(target, ids, oracle, max_new_tokens=21, eos_token_id=None)
     assert torch.equal(out.sequences, plain)
     # 1 token from the prefill, then 4 steps of depth 4 + the bonus token
     assert oracle.stats.accepted_lengths == [depth + 1] * 4
@@ -55,15 +55,7 @@ def test_eos_inside_an_accepted_path_stops_there():
     plain = target.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=eos)
     # the oracle keeps drafting past EOS (it drafts from the free-running continuation)
     oracle = OracleTreeGenerator(free, width=2, depth=5, seed=1)
-    out = target.generate(
-        ids,
-        custom_generate=tree_generate,
-        candidate_generator=oracle,
-        max_new_tokens=20,
-        eos_token_id=eos,
-        return_dict_in_generate=True,
-        output_scores=True,
-    )
+    out = oracle_generate(target, ids, oracle, max_new_tokens=20, eos_token_id=eos, output_scores=True)
     assert torch.equal(out.sequences, plain)
     assert out.sequences[0, -1].item() == eos and len(out.scores) == out.sequences.shape[1] - ids.shape[1]
     # the step that reached EOS had drafts beyond it in its tree, and they were not committed
@@ -86,14 +78,7 @@ def test_max_new_tokens_inside_an_accepted_path_is_exact():
     for max_new in (1, 2, 3, 7, 8, 13):
         plain = target.generate(ids, max_new_tokens=max_new, do_sample=False, eos_token_id=None)
         oracle = DeepOracle(reference, width=2, depth=5, seed=max_new)
-        out = target.generate(
-            ids,
-            custom_generate=tree_generate,
-            candidate_generator=oracle,
-            max_new_tokens=max_new,
-            eos_token_id=None,
-            return_dict_in_generate=True,
-        )
+        out = oracle_generate(target, ids, oracle, max_new_tokens=max_new, eos_token_id=None)
         assert torch.equal(out.sequences, plain), max_new
         assert_cache_equals_fresh_forward(target, out)
 
@@ -103,14 +88,7 @@ def test_rejected_branches_leave_no_trace_in_the_cache():
     ids = torch.tensor([[5, 6, 7, 8]])
     plain = target.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=None)
     oracle = OracleTreeGenerator(plain[0].tolist(), width=4, depth=5, miss_rate=0.4, seed=3)
-    out = target.generate(
-        ids,
-        custom_generate=tree_generate,
-        candidate_generator=oracle,
-        max_new_tokens=30,
-        eos_token_id=None,
-        return_dict_in_generate=True,
-    )
+    out = oracle_generate(target, ids, oracle, max_new_tokens=30, eos_token_id=None)
     assert torch.equal(out.sequences, plain)
     assert 1 in oracle.stats.accepted_lengths and max(oracle.stats.accepted_lengths) > 2
     assert_cache_equals_fresh_forward(target, out)

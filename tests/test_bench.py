@@ -4,34 +4,16 @@ outputs equal plain `generate()` and JetSpec sampling equals plain sampling with
 import json
 
 import pytest
-import torch
-import transformers
 
 from jetspec_hf import bench
 from jetspec_hf.prompts import write_jsonl
 
-from tiny_models import tiny_head
+from tiny_models import tiny_head, tiny_target
 
 
 def tiny_bench_files(tmp_path, chat_tokenizer) -> list[str]:
     """A tiny Llama target, a causal and a bidirectional head and two chat prompts on disk; returns their bench args."""
-    torch.manual_seed(0)
-    vocab = len(chat_tokenizer)
-    config = transformers.LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    target = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # sharpen the random logits so greedy picks are far from ties (see tiny_models.tiny_target)
-        target.get_output_embeddings().weight.mul_(8.0)
+    target = tiny_target("llama", vocab_size=len(chat_tokenizer), pad_token_id=0)
     target.save_pretrained(tmp_path / "target")
     chat_tokenizer.save_pretrained(tmp_path / "target")
     tiny_head(target, causal=True).save_pretrained(tmp_path / "causal")

@@ -7,10 +7,12 @@ import types
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaForCausalLM
 
 from jetspec_hf import JetSpecDraftHead, check_head_fits_target
 from jetspec_hf.cli import SUMMARY_FILE, card_training_info, default_mask_token_id, head_config_for_target, main
+
+from tiny_models import tiny_target
 
 PROMPTS = [
     "Hello there! How are you today?",
@@ -22,21 +24,20 @@ TRAINER_FLAGS = ["--use_cpu", "--report_to", "none", "--save_strategy", "no", "-
 
 
 def tiny_llama(vocab: int, **config) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    defaults = dict(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=0.2,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,  # Llama's embedding zeroes the padding_idx row
-    )
-    return LlamaForCausalLM(LlamaConfig(**{**defaults, **config})).eval()
+    """Unsharpened logits (logit_scale 1); pad token 0, whose row Llama's embedding zeroes (padding_idx)."""
+    overrides = dict(vocab_size=vocab, max_position_embeddings=256, initializer_range=0.2, pad_token_id=0)
+    return tiny_target("llama", logit_scale=1.0, **{**overrides, **config})
+
+
+def regenerate_args(workdir, output, *extra) -> list[str]:
+    """`regenerate` of the workdir's prompts with the workdir's target, 12 new tokens, then `extra`."""
+    target, data = str(workdir / "target"), str(workdir / "prompts.jsonl")
+    return ["regenerate", "--target", target, "--data", data, "--output", str(output), "--max-new-tokens", "12", *extra]
+
+
+def train_args(workdir, data, output_dir, *extra) -> list[str]:
+    """`train` of a head for the workdir's target on `data`, saved to `output_dir`, then `extra`."""
+    return ["train", "--target", str(workdir / "target"), "--data", str(data), "--output-dir", str(output_dir), *extra]
 
 
 @pytest.fixture(scope="module")
@@ -60,22 +61,7 @@ def regenerated(path) -> list[dict]:
 @pytest.fixture(scope="module")
 def regenerated_data(workdir):
     output = workdir / "regenerated.jsonl"
-    code = main(
-        [
-            "regenerate",
-            "--target",
-            str(workdir / "target"),
-            "--data",
-            str(workdir / "prompts.jsonl"),
-            "--output",
-            str(output),
-            "--max-new-tokens",
-            "12",
-            "--batch-size",
-            "2",
-            "--no-progress",
-        ]
-    )
+    code = main(regenerate_args(workdir, output, "--batch-size", "2", "--no-progress"))
     assert code == 0
     return output
 
@@ -84,14 +70,10 @@ def regenerated_data(workdir):
 def trained_head(workdir, regenerated_data):
     head_dir = workdir / "head"
     code = main(
-        [
-            "train",
-            "--target",
-            str(workdir / "target"),
-            "--data",
-            str(regenerated_data),
-            "--output-dir",
-            str(head_dir),
+        train_args(
+            workdir,
+            regenerated_data,
+            head_dir,
             "--eval-data",
             str(regenerated_data),
             "--tree-tau-prompts",
@@ -117,7 +99,7 @@ def trained_head(workdir, regenerated_data):
             "--logging_steps",
             "1",
             *TRAINER_FLAGS,
-        ]
+        )
     )
     assert code == 0
     return head_dir
@@ -131,20 +113,7 @@ def test_regenerate_writes_target_answers_and_resumes(workdir, regenerated_data,
         assert [m["role"] for m in row["messages"]] == ["user", "assistant"]
     assert rows[1]["messages"][1]["content"] != "An answer that regeneration replaces."
     # a second run skips everything and says so
-    code = main(
-        [
-            "regenerate",
-            "--target",
-            str(workdir / "target"),
-            "--data",
-            str(workdir / "prompts.jsonl"),
-            "--output",
-            str(regenerated_data),
-            "--max-new-tokens",
-            "12",
-            "--no-progress",
-        ]
-    )
+    code = main(regenerate_args(workdir, regenerated_data, "--no-progress"))
     assert code == 0
     out = capsys.readouterr().out
     assert "0 done, 3 skipped" in out and "tokens/s" in out
@@ -176,24 +145,9 @@ def test_train_saves_a_head_that_fits_and_a_summary(workdir, trained_head, capsy
 def test_speculative_regeneration_with_the_trained_head_is_lossless(workdir, regenerated_data, trained_head, capsys):
     output = workdir / "speculative.jsonl"
     code = main(
-        [
-            "regenerate",
-            "--target",
-            str(workdir / "target"),
-            "--data",
-            str(workdir / "prompts.jsonl"),
-            "--output",
-            str(output),
-            "--max-new-tokens",
-            "12",
-            "--head",
-            str(trained_head),
-            "--tree-budget",
-            "8",
-            "--limit",
-            "2",
-            "--no-progress",
-        ]
+        regenerate_args(
+            workdir, output, "--head", str(trained_head), "--tree-budget", "8", "--limit", "2", "--no-progress"
+        )
     )
     assert code == 0
     assert "tau" in capsys.readouterr().out
@@ -203,15 +157,7 @@ def test_speculative_regeneration_with_the_trained_head_is_lossless(workdir, reg
 def test_fine_tune_from_init_head(workdir, regenerated_data, trained_head):
     out_dir = workdir / "finetuned"
     flags = ["--max_steps", "1", "--per_device_train_batch_size", "2", "--num-anchors", "2", *TRAINER_FLAGS]
-    common = [
-        "train",
-        "--target",
-        str(workdir / "target"),
-        "--data",
-        str(regenerated_data),
-        "--output-dir",
-        str(out_dir),
-    ]
+    common = train_args(workdir, regenerated_data, out_dir)
     with pytest.raises(SystemExit) as error:  # the architecture comes from the head
         main([*common, "--init-head", str(trained_head), "--block-size", "8", *flags])
     assert error.value.code == 2
@@ -223,16 +169,7 @@ def test_fine_tune_from_init_head(workdir, regenerated_data, trained_head):
 
 
 def test_train_rejects_bad_arguments(workdir, regenerated_data, capsys):
-    common = [
-        "train",
-        "--target",
-        str(workdir / "target"),
-        "--data",
-        str(regenerated_data),
-        "--output-dir",
-        str(workdir / "bad"),
-        *TRAINER_FLAGS,
-    ]
+    common = train_args(workdir, regenerated_data, workdir / "bad", *TRAINER_FLAGS)
     for extra, message in [
         (["--mask-token-id", "100000"], "outside the target's vocabulary"),
         (["--target-layers", "0,3"], "out of range"),  # tap 3 = the last layer of 4: not a valid tap

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList, Qwen3Config, Qwen3ForCausalLM
+from transformers import LogitsProcessorList
 from transformers.cache_utils import DynamicCache
 
 from jetspec_hf import JetSpecCandidateGenerator, JetSpecConfig, JetSpecDraftHead
@@ -33,26 +33,18 @@ from jetspec_hf.training import (
     valid_anchor_mask,
 )
 
+import tiny_models
+
 REPO = Path(__file__).resolve().parents[1]
 VOCAB, HIDDEN, LAYERS = 96, 32, 4
 MASK_ID = VOCAB - 1
 
 
 def tiny_target(kind: str = "llama", seed: int = 0, initializer_range: float = 0.2):
-    torch.manual_seed(seed)
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=64,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=initializer_range,  # peaked teacher distributions: something to learn
+    """Unsharpened logits (logit_scale 1): the large initializer_range peaks the teacher distributions instead."""
+    return tiny_models.tiny_target(
+        kind, seed=seed, logit_scale=1.0, max_position_embeddings=256, initializer_range=initializer_range
     )
-    if kind == "llama":
-        return LlamaForCausalLM(LlamaConfig(**common)).eval()
-    return Qwen3ForCausalLM(Qwen3Config(head_dim=8, **common)).eval()
 
 
 def tiny_head(causal: bool = True, block_size: int = 4, seed: int = 1, num_layers: int = 2) -> JetSpecDraftHead:
@@ -98,12 +90,8 @@ def training_args(tmp_path, **overrides) -> JetSpecTrainingArguments:
         learning_rate=1e-2,
         lr_scheduler_type="constant",
         num_anchors=8,
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
         logging_steps=1,
-        disable_tqdm=True,
-        seed=0,
+        **tiny_models.CPU_TRAINING,
         dataloader_num_workers=0,
     )
     kwargs.update(overrides)

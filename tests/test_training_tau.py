@@ -25,10 +25,12 @@ taught the target's logits at p + k instead of p + k - 1) leaves tau at 1.08.
 import time
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
-from jetspec_hf import JetSpecConfig, JetSpecDraftHead
+from jetspec_hf import JetSpecDraftHead
 from jetspec_hf.training import JetSpecTrainer, JetSpecTrainingArguments
+
+from tiny_models import CPU_TRAINING, tiny_head, tiny_target
 
 VOCAB, HIDDEN, LAYERS = 128, 64, 4
 PROMPT_LEN, NEW_TOKENS = 8, 40
@@ -39,26 +41,22 @@ TREE = dict(tree_budget=16, tree_width=3, tree_depth=7)
 
 
 def learnable_target(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
+    target = tiny_target(
+        "llama",
+        seed=seed,
+        logit_scale=8.0,  # lm_head x 8: peaked teacher distributions
         vocab_size=VOCAB,
         hidden_size=HIDDEN,
         intermediate_size=128,
         num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=256,
         initializer_range=0.02,
         bos_token_id=None,
         eos_token_id=None,
-        pad_token_id=None,
     )
-    target = LlamaForCausalLM(config)
-    target.set_attn_implementation("sdpa")
     with torch.no_grad():
         target.get_input_embeddings().weight.mul_(10.0)  # the current token dominates the residual stream
-        target.get_output_embeddings().weight.mul_(8.0)  # peaked teacher distributions
-    return target.eval()
+    return target
 
 
 def random_prompts(n: int, seed: int) -> torch.LongTensor:
@@ -84,24 +82,18 @@ def regenerated_examples(target, n: int, seed: int) -> list[dict]:
     ]
 
 
-def fresh_head(seed: int = 1) -> JetSpecDraftHead:
-    torch.manual_seed(seed)
-    config = JetSpecConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
+def fresh_head(target, seed: int = 1) -> JetSpecDraftHead:
+    """A causal head tapping target layers 0 and 2, mask token VOCAB - 1."""
+    return tiny_head(
+        target,
+        block_size=8,
+        seed=seed,
         intermediate_size=128,
         num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=16,
-        block_size=8,
-        num_target_layers=LAYERS,
-        target_layer_ids=[0, 2],
-        mask_token_id=VOCAB - 1,
         max_position_embeddings=256,
         **TREE,
     )
-    return JetSpecDraftHead(config).eval()
 
 
 def measure_tau(target, head, prompts: torch.LongTensor) -> float:
@@ -127,12 +119,8 @@ def train(target, head, data, output_dir, steps: int = STEPS, **overrides) -> Je
         max_steps=steps,
         num_anchors=32,
         loss_type="fkl",
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
         logging_steps=50,
-        disable_tqdm=True,
-        seed=0,
+        **CPU_TRAINING,
         dataloader_num_workers=0,
     )
     kwargs.update(overrides)
@@ -149,7 +137,7 @@ def test_training_raises_generate_tau(tmp_path):
     train_prompts = set(map(tuple, random_prompts(NUM_TRAIN, TRAIN_SEED).tolist()))
     assert not train_prompts & set(map(tuple, heldout.tolist()))
 
-    head = fresh_head()
+    head = fresh_head(target)
     tau_before = measure_tau(target, head, heldout)
     trainer = train(target, head, data, tmp_path)
     tau_after = measure_tau(target, head, heldout)

@@ -22,6 +22,9 @@ _COMMON = dict(
     eos_token_id=2,
 )
 
+# TrainingArguments of a quiet, reproducible CPU training run that saves nothing (the tests add the rest).
+CPU_TRAINING = dict(use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True, seed=0)
+
 # Every decoder-only family named in the core issue that transformers builds from a config. Sliding-window families
 # (Mistral, Gemma 2/3) keep their window: tree decoding supports them while the sequence fits in the window.
 TARGETS = {
@@ -42,34 +45,30 @@ TARGETS = {
 }
 
 
-def tiny_target(arch: str = "qwen3", attn: str = "sdpa", seed: int = 0, **config):
+def tiny_target(arch: str = "qwen3", attn: str = "sdpa", seed: int = 0, logit_scale: float = 8.0, **config):
     torch.manual_seed(seed)
     model = TARGETS[arch]({**_COMMON, **config})
     model.set_attn_implementation(attn)
-    # Random weights give flat next-token distributions; sharpen them so greedy picks are far from ties and the
-    # token-identity tests compare decisions, not rounding noise.
+    # Random weights give flat next-token distributions; sharpen them (lm_head x logit_scale) so greedy picks are far
+    # from ties and the token-identity tests compare decisions, not rounding noise.
     with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(8.0)
+        model.get_output_embeddings().weight.mul_(logit_scale)
     return model.eval()
 
 
 def tiny_head(target, causal: bool = True, block_size: int = 6, seed: int = 0, **config) -> JetSpecDraftHead:
     torch.manual_seed(seed)
     text = target.config.get_text_config()
+    sizes = dict(intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     head_config = JetSpecConfig(
         vocab_size=target.get_input_embeddings().weight.shape[0],
         hidden_size=text.hidden_size,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
         num_target_layers=text.num_hidden_layers,
         target_layer_ids=[0, text.num_hidden_layers - 2],
         mask_token_id=target.get_input_embeddings().weight.shape[0] - 1,
         block_size=block_size,
         causal=causal,
-        **{"tree_budget": 16, "tree_width": 3, **config},
+        **{**sizes, "tree_budget": 16, "tree_width": 3, **config},
     )
     return JetSpecDraftHead(head_config).eval()
 
