@@ -31,13 +31,15 @@ def bench_measurements(path: Path) -> list[dict]:
     for row in result["rows"]:
         if row["temperature"] != 0 or row["group"] not in ("jetspec_chain", "jetspec_tree") or row.get("error"):
             continue
-        rows.append({
-            "dataset": f"{row['dataset']} ({row['prompts']} prompts)",
-            "budget": row["budget"],
-            "tau": round(row["tau"], 2),
-            "speedup": f"{row['speedup']:.2f}x",
-            "hardware": "2-core CPU, target fp32, head drafting in bf16; plain generate() baseline of the same run",
-        })
+        rows.append(
+            {
+                "dataset": f"{row['dataset']} ({row['prompts']} prompts)",
+                "budget": row["budget"],
+                "tau": round(row["tau"], 2),
+                "speedup": f"{row['speedup']:.2f}x",
+                "hardware": "2-core CPU, target fp32, head drafting in bf16; plain generate() baseline of the same run",
+            }
+        )
     return rows
 
 
@@ -51,6 +53,11 @@ def main():
     parser.add_argument("--tree-width", type=int)
     parser.add_argument("--hours", type=float, help="wall-clock training time (for the card)")
     parser.add_argument("--conversations", type=int, required=True, help="training conversations (for the card)")
+    parser.add_argument(
+        "--continued-from",
+        metavar="FIRST_RUN_DIR:CONVERSATIONS",
+        help="RUN_DIR was warm-started (--init-from) from this run, trained on its first CONVERSATIONS rows",
+    )
     args = parser.parse_args()
 
     head = JetSpecDraftHead.from_pretrained(args.run_dir, dtype=torch.float32)
@@ -62,20 +69,36 @@ def main():
     recipe = torch.load(Path(args.run_dir) / "training_args.bin", weights_only=False)
     precision = "target in bf16, head under bf16 autocast" if recipe.bf16 else "float32"
     weights = "uniform" if recipe.gamma == 0 else f"slot weights exp(-(k-1)/{recipe.gamma:g})"
+    steps = f"{recipe.max_steps}"
+    schedule = f"lr {recipe.learning_rate:g}, {recipe.lr_scheduler_type.value}, {recipe.warmup_steps} warm-up steps"
+    command = (
+        f"THREADS=1 python scripts/smollm2_train.py RUN_DIR --limit {args.conversations} --max-steps {recipe.max_steps}"
+    )
+    if args.continued_from:  # a warm start (`smollm2_train.py --init-from`): the card gives both stages
+        first_dir, _, first_conversations = args.continued_from.rpartition(":")
+        first = torch.load(Path(first_dir) / "training_args.bin", weights_only=False)
+        steps = f"{first.max_steps + recipe.max_steps} ({first.max_steps}, then {recipe.max_steps} continued)"
+        schedule = (
+            f"lr {first.learning_rate:g} then {recipe.learning_rate:g}, {recipe.lr_scheduler_type.value} each, "
+            f"{recipe.warmup_steps} warm-up steps"
+        )
+        command = (
+            f"THREADS=1 python scripts/smollm2_train.py FIRST --limit {first_conversations} --max-steps "
+            f"{first.max_steps} --lr {first.learning_rate:g}; THREADS=2 python scripts/smollm2_train.py RUN_DIR "
+            f"--init-from FIRST --max-steps {recipe.max_steps} --lr {recipe.learning_rate:g}"
+        )
     training = {
-        "data": "answers of SmolLM2-135M-Instruct itself (greedy, fp32, up to 320 new tokens) to offline prompts: "
-        "CPython standard-library functions and docstrings, Python documentation topics, composed general and "
-        "math instructions (`jetspec_hf.prompts`; no HumanEval); held-out split by subject",
+        "data": "answers of SmolLM2-135M-Instruct itself (greedy, up to 320 new tokens, target in fp32 or bf16) to "
+        "offline prompts: CPython standard-library functions and docstrings, Python documentation topics, composed "
+        "general and math instructions (`jetspec_hf.prompts`; no HumanEval); held-out split by subject",
         "conversations": args.conversations,
         "loss": f"{recipe.loss_type} (against the target's distribution at each drafted slot), {weights}",
         "anchors": f"{recipe.num_anchors} random anchors per conversation, "
         f"{recipe.per_device_train_batch_size} conversation(s) per step",
-        "steps": recipe.max_steps,
-        "optimizer": f"AdamW, lr {recipe.learning_rate:g}, {recipe.lr_scheduler_type.value}, "
-        f"{recipe.warmup_steps} warm-up steps; {precision}",
-        "hardware": f"1 core of a 2-core CPU (bf16 AMX){f', {args.hours:.1f} h' if args.hours else ''}",
-        "command": f"THREADS=1 python scripts/smollm2_train.py RUN_DIR --limit {args.conversations} "
-        f"--max-steps {recipe.max_steps}" + ("" if head.config.causal else " --bidirectional"),
+        "steps": steps,
+        "optimizer": f"AdamW, {schedule}; {precision}",
+        "hardware": f"a 2-core CPU (bf16 AMX){f', {args.hours:.1f} h' if args.hours else ''}",
+        "command": command if head.config.causal else command.replace(".py ", ".py --bidirectional ", 1),
     }
     measured = bench_measurements(Path(args.bench)) if args.bench else None
 

@@ -34,10 +34,15 @@ def stdlib_chunks(n: int, seed: int = 0, lines: int = 40) -> list[dict]:
             continue
         start = rng.randrange(0, len(text) - lines)
         chunk = "\n".join(text[start : start + lines])
-        rows.append({"id": f"stdlib/{path.name}/{start}", "messages": [
-            {"role": "user", "content": f"Show me some code from Python's `{path.stem}` module."},
-            {"role": "assistant", "content": f"```python\n{chunk}\n```"},
-        ]})
+        rows.append(
+            {
+                "id": f"stdlib/{path.name}/{start}",
+                "messages": [
+                    {"role": "user", "content": f"Show me some code from Python's `{path.stem}` module."},
+                    {"role": "assistant", "content": f"```python\n{chunk}\n```"},
+                ],
+            }
+        )
     return rows
 
 
@@ -58,7 +63,14 @@ def main():
     parser.add_argument("--gamma", type=float, default=4.0, help="slot weights exp(-(k-1)/gamma)")
     parser.add_argument("--warmup-steps", type=int, default=50)
     parser.add_argument(
-        "--fp32", action="store_true", help="train in float32 (default: target in bf16 and the head under bf16 "
+        "--init-from",
+        metavar="HEAD_DIR",
+        help="continue from a trained head (e.g. a finished run's OUT_DIR) with a fresh schedule, on more data",
+    )
+    parser.add_argument(
+        "--fp32",
+        action="store_true",
+        help="train in float32 (default: target in bf16 and the head under bf16 "
         "autocast, 2-3x faster per step on CPUs with AMX/AVX512-bf16)",
     )
     args = parser.parse_args()
@@ -70,19 +82,41 @@ def main():
     dataset = TokenizedChatDataset(conversations, tokenizer, max_length=512)
     print(f"{len(dataset)} training conversations ({len(conversations)} loaded)")
 
-    head = JetSpecDraftHead(smollm2_head_config(
+    config = smollm2_head_config(
         target, tokenizer, causal=not args.bidirectional, block_size=args.block_size, num_layers=args.layers
-    ))
-    training_args = JetSpecTrainingArguments(
-        output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=1, learning_rate=args.lr,
-        lr_scheduler_type="cosine", warmup_steps=args.warmup_steps, weight_decay=0.0, logging_steps=10,
-        logging_first_step=True, disable_tqdm=True, save_steps=args.save_steps, save_total_limit=2,
-        num_anchors=args.num_anchors, loss_type=args.loss, gamma=args.gamma, report_to=[], use_cpu=True,
-        bf16=not args.fp32,
-        dataloader_num_workers=0, seed=0,
     )
-    trainer = JetSpecTrainer(head, training_args, train_dataset=dataset, data_collator=JetSpecDataCollator(tokenizer),
-                             target_model=target)
+    if args.init_from:
+        head = JetSpecDraftHead.from_pretrained(args.init_from, dtype=torch.float32)
+        shape = ("causal", "block_size", "num_hidden_layers", "target_layer_ids")
+        if any(getattr(head.config, k) != getattr(config, k) for k in shape):
+            raise SystemExit(f"--init-from {args.init_from}: its {shape} differ from the head asked for")
+    else:
+        head = JetSpecDraftHead(config)
+    training_args = JetSpecTrainingArguments(
+        output_dir=args.output_dir,
+        max_steps=args.max_steps,
+        per_device_train_batch_size=1,
+        learning_rate=args.lr,
+        lr_scheduler_type="cosine",
+        warmup_steps=args.warmup_steps,
+        weight_decay=0.0,
+        logging_steps=10,
+        logging_first_step=True,
+        disable_tqdm=True,
+        save_steps=args.save_steps,
+        save_total_limit=2,
+        num_anchors=args.num_anchors,
+        loss_type=args.loss,
+        gamma=args.gamma,
+        report_to=[],
+        use_cpu=True,
+        bf16=not args.fp32,
+        dataloader_num_workers=0,
+        seed=0,
+    )
+    trainer = JetSpecTrainer(
+        head, training_args, train_dataset=dataset, data_collator=JetSpecDataCollator(tokenizer), target_model=target
+    )
     last = get_last_checkpoint(args.output_dir) if Path(args.output_dir).exists() else None
     trainer.train(resume_from_checkpoint=last)
     trainer.save_model(args.output_dir)
