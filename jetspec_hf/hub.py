@@ -257,9 +257,10 @@ print(head.last_generate_stats.tau)  # mean tokens committed per target forward
 ```"""
 
     if remote_code:
-        without_package = f"""This repository ships its modeling code (`modeling_jetspec.py`, `configuration_jetspec.py`; torch and
-transformers only) and `config.json` has an `auto_map`, so the head loads without `jetspec-hf` and drafts through
-transformers' own DFlash chain mode (one chain per step instead of a tree: lower acceptance, same lossless output):
+        without_package = f"""This repository ships its modeling code (`modeling_jetspec.py`,
+`configuration_jetspec.py`; torch and transformers only) and `config.json` has an `auto_map`, so the head loads
+without `jetspec-hf` and drafts through transformers' own DFlash chain mode (one chain per step instead of a tree:
+lower acceptance, same lossless output):
 
 ```python
 import torch
@@ -279,6 +280,7 @@ When `jetspec-hf` is installed, its registered classes take precedence over the 
             '`target.generate(ids, assistant_model=head, speculation_type="dflash")`.'
         )
 
+    wrong_if_causal = " (wrong for this causal head: still lossless, but fewer tokens accepted)" if causal else ""
     export = f"""Serving engines with a DFlash-style drafter (vLLM, SGLang) read the authors' DFlash checkpoint format
 (`model_type: "qwen3"`, `architectures: ["DFlashDraftModel"]`, `dflash_config`), not this repository's
 `model_type: "jetspec"`. Convert with `jetspec_hf.export.save_dflash_format`:
@@ -292,7 +294,7 @@ save_dflash_format(JetSpecDraftHead.from_pretrained({repo_py}), "dflash-export")
 
 and give the engine `dflash-export` as the draft model of its `dflash` speculative method, with the target as the
 main model. The export writes the causal flag under both `dflash_config.causal_head` and `dflash_config.causal`; an
-engine that finds neither treats the head as bidirectional{" (wrong for this causal head: still lossless, but fewer tokens accepted)" if causal else ""}.
+engine that finds neither treats the head as bidirectional{wrong_if_causal}.
 Engines with a chain drafter serve the head correctly but verify one chain per step; JetSpec's tree gain needs tree
 verification (as in `jetspec-hf`'s `generate`). See `docs/export.md` in the jetspec-hf repository."""
 
