@@ -84,7 +84,7 @@ def main():
         )
         command = (
             f"THREADS=1 python scripts/smollm2_train.py FIRST --limit {first_conversations} --max-steps "
-            f"{first.max_steps} --lr {first.learning_rate:g}; THREADS=2 python scripts/smollm2_train.py RUN_DIR "
+            f"{first.max_steps} --lr {first.learning_rate:g}; THREADS=1 python scripts/smollm2_train.py RUN_DIR "
             f"--init-from FIRST --max-steps {recipe.max_steps} --lr {recipe.learning_rate:g}"
         )
     training = {
@@ -98,7 +98,7 @@ def main():
         "steps": steps,
         "optimizer": f"AdamW, {schedule}; {precision}",
         "hardware": f"a 2-core CPU (bf16 AMX){f', {args.hours:.1f} h' if args.hours else ''}",
-        "command": command if head.config.causal else command.replace(".py ", ".py --bidirectional ", 1),
+        "command": command if head.config.causal else command.replace(".py ", ".py --bidirectional "),
     }
     measured = bench_measurements(Path(args.bench)) if args.bench else None
 
