@@ -159,7 +159,8 @@ def load_head(path: str | None, target, tokenizer, target_name: str, dtype: torc
     from . import JetSpecDraftHead
 
     if path is None and (SHIPPED_HEAD / "config.json").exists():
-        path = str(SHIPPED_HEAD)
+        # The package's own head: named relative to the package, not by this machine's install path.
+        return JetSpecDraftHead.from_pretrained(SHIPPED_HEAD, dtype=dtype).eval(), "shipped: " + SHIPPED_HEAD.name
     if path is None:
         if target_name != "smollm2":
             raise SystemExit("no draft head: pass --head DIR (a head trained for this target)")

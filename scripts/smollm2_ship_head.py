@@ -34,7 +34,7 @@ def bench_measurements(path: Path) -> list[dict]:
         rows.append(
             {
                 "dataset": f"{row['dataset']} ({row['prompts']} prompts)",
-                "budget": row["budget"],
+                "budget": row["budget"] if row["group"] == "jetspec_tree" else f"chain of {row['budget']}",
                 "tau": round(row["tau"], 2),
                 "speedup": f"{row['speedup']:.2f}x",
                 "hardware": "2-core CPU, target fp32, head drafting in bf16; plain generate() baseline of the same run",
@@ -85,7 +85,8 @@ def main():
         command = (
             f"THREADS=1 python scripts/smollm2_train.py FIRST --limit {first_conversations} --max-steps "
             f"{first.max_steps} --lr {first.learning_rate:g}; THREADS=1 python scripts/smollm2_train.py RUN_DIR "
-            f"--init-from FIRST --max-steps {recipe.max_steps} --lr {recipe.learning_rate:g}"
+            f"--limit {args.conversations} --init-from FIRST --max-steps {recipe.max_steps} "
+            f"--lr {recipe.learning_rate:g}"
         )
     training = {
         "data": "answers of SmolLM2-135M-Instruct itself (greedy, up to 320 new tokens, target in fp32 or bf16) to "
