@@ -42,7 +42,15 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--tree-budget", type=int, default=None, help="default: the head config's")
     parser.add_argument("--prompt", action="append", help="a chat prompt (repeatable); default: three built-in ones")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1, as `jetspec-hf bench`: on a 2-vCPU machine "
+        "two threads decode slower than one, and far slower when anything else runs)",
+    )
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
 
     import jetspec_hf  # noqa: F401  (routes generate(assistant_model=head))
     from jetspec_hf import JetSpecDraftHead, fast_draft_dtype
