@@ -159,8 +159,7 @@ def load_head(path: str | None, target, tokenizer, target_name: str, dtype: torc
     from . import JetSpecDraftHead
 
     if path is None and (SHIPPED_HEAD / "config.json").exists():
-        # The package's own head: named relative to the package, not by this machine's install path.
-        return JetSpecDraftHead.from_pretrained(SHIPPED_HEAD, dtype=dtype).eval(), "shipped: " + SHIPPED_HEAD.name
+        path = str(SHIPPED_HEAD)
     if path is None:
         if target_name != "smollm2":
             raise SystemExit("no draft head: pass --head DIR (a head trained for this target)")
@@ -175,7 +174,8 @@ def load_head(path: str | None, target, tokenizer, target_name: str, dtype: torc
     if not (Path(path) / "config.json").exists():
         raise SystemExit(f"no draft head at {path} (a directory with config.json, from `jetspec-hf train`)")
     head = JetSpecDraftHead.from_pretrained(path, dtype=dtype).eval()
-    return head, path
+    # The package's own head is named relative to the package, not by this machine's install path.
+    return head, f"shipped: {SHIPPED_HEAD.name}" if Path(path) == SHIPPED_HEAD else path
 
 
 def chat_ids(tokenizer, text: str) -> tuple[torch.LongTensor, torch.LongTensor]:

@@ -71,9 +71,8 @@ def main():
     weights = "uniform" if recipe.gamma == 0 else f"slot weights exp(-(k-1)/{recipe.gamma:g})"
     steps = f"{recipe.max_steps}"
     schedule = f"lr {recipe.learning_rate:g}, {recipe.lr_scheduler_type.value}, {recipe.warmup_steps} warm-up steps"
-    command = (
-        f"THREADS=1 python scripts/smollm2_train.py RUN_DIR --limit {args.conversations} --max-steps {recipe.max_steps}"
-    )
+    train = "THREADS=1 python scripts/smollm2_train.py" + ("" if head.config.causal else " --bidirectional")
+    command = f"{train} RUN_DIR --limit {args.conversations} --max-steps {recipe.max_steps}"
     if args.continued_from:  # a warm start (`smollm2_train.py --init-from`): the card gives both stages
         first_dir, _, first_conversations = args.continued_from.rpartition(":")
         first = torch.load(Path(first_dir) / "training_args.bin", weights_only=False)
@@ -83,8 +82,8 @@ def main():
             f"{recipe.warmup_steps} warm-up steps"
         )
         command = (
-            f"THREADS=1 python scripts/smollm2_train.py FIRST --limit {first_conversations} --max-steps "
-            f"{first.max_steps} --lr {first.learning_rate:g}; THREADS=1 python scripts/smollm2_train.py RUN_DIR "
+            f"{train} FIRST --limit {first_conversations} --max-steps {first.max_steps} "
+            f"--lr {first.learning_rate:g}; {train} RUN_DIR "
             f"--limit {args.conversations} --init-from FIRST --max-steps {recipe.max_steps} "
             f"--lr {recipe.learning_rate:g}"
         )
@@ -99,7 +98,7 @@ def main():
         "steps": steps,
         "optimizer": f"AdamW, {schedule}; {precision}",
         "hardware": f"a 2-core CPU (bf16 AMX){f', {args.hours:.1f} h' if args.hours else ''}",
-        "command": command if head.config.causal else command.replace(".py ", ".py --bidirectional "),
+        "command": command,
     }
     measured = bench_measurements(Path(args.bench)) if args.bench else None
 

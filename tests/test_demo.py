@@ -3,6 +3,7 @@
 import os
 
 import pytest
+import torch
 
 from jetspec_hf import demo
 
@@ -14,3 +15,4 @@ def test_demo_runs_and_outputs_are_identical(capsys):
     out = capsys.readouterr().out
     assert "same tokens as plain: True" in out and "outputs identical: True" in out
     assert "tau" in out and "speedup" in out
+    assert torch.get_num_threads() == 1  # --threads defaults to 1, like the bench
