@@ -55,8 +55,10 @@ def main():
     parser.add_argument("--conversations", type=int, required=True, help="training conversations (for the card)")
     parser.add_argument(
         "--continued-from",
-        metavar="FIRST_RUN_DIR:CONVERSATIONS",
-        help="RUN_DIR was warm-started (--init-from) from this run, trained on its first CONVERSATIONS rows",
+        metavar="EARLIER_RUN_DIR:CONVERSATIONS",
+        action="append",
+        help="RUN_DIR was warm-started (--init-from) from this run, trained on its first CONVERSATIONS rows; repeat it "
+        "for every earlier stage, first stage first",
     )
     args = parser.parse_args()
 
@@ -73,20 +75,27 @@ def main():
     schedule = f"lr {recipe.learning_rate:g}, {recipe.lr_scheduler_type.value}, {recipe.warmup_steps} warm-up steps"
     train = "THREADS=1 python scripts/smollm2_train.py" + ("" if head.config.causal else " --bidirectional")
     command = f"{train} RUN_DIR --limit {args.conversations} --max-steps {recipe.max_steps}"
-    if args.continued_from:  # a warm start (`smollm2_train.py --init-from`): the card gives both stages
-        first_dir, _, first_conversations = args.continued_from.rpartition(":")
-        first = torch.load(Path(first_dir) / "training_args.bin", weights_only=False)
-        steps = f"{first.max_steps + recipe.max_steps} ({first.max_steps}, then {recipe.max_steps} continued)"
+    if args.continued_from:  # warm starts (`smollm2_train.py --init-from`): the card gives every stage
+        stages = []
+        for earlier in args.continued_from:
+            run_dir, _, conversations = earlier.rpartition(":")
+            stages.append((torch.load(Path(run_dir) / "training_args.bin", weights_only=False), conversations))
+        stages.append((recipe, str(args.conversations)))
+        total = sum(stage.max_steps for stage, _ in stages)
+        steps = f"{total} ({', then '.join(str(stage.max_steps) for stage, _ in stages)} continued)"
         schedule = (
-            f"lr {first.learning_rate:g} then {recipe.learning_rate:g}, {recipe.lr_scheduler_type.value} each, "
-            f"{recipe.warmup_steps} warm-up steps"
+            f"lr {' then '.join(f'{stage.learning_rate:g}' for stage, _ in stages)}, "
+            f"{recipe.lr_scheduler_type.value} each, {recipe.warmup_steps} warm-up steps"
         )
-        command = (
-            f"{train} FIRST --limit {first_conversations} --max-steps {first.max_steps} "
-            f"--lr {first.learning_rate:g}; {train} RUN_DIR "
-            f"--limit {args.conversations} --init-from FIRST --max-steps {recipe.max_steps} "
-            f"--lr {recipe.learning_rate:g}"
-        )
+        commands = []
+        for number, (stage, conversations) in enumerate(stages, start=1):
+            out_dir = "RUN_DIR" if number == len(stages) else f"STAGE{number}"
+            init = f" --init-from STAGE{number - 1}" if number > 1 else ""
+            commands.append(
+                f"{train} {out_dir} --limit {conversations}{init} --max-steps {stage.max_steps} "
+                f"--lr {stage.learning_rate:g}"
+            )
+        command = "; ".join(commands)
     training = {
         "data": "answers of SmolLM2-135M-Instruct itself (greedy, up to 320 new tokens, target in fp32 or bf16) to "
         "offline prompts: CPython standard-library functions and docstrings, Python documentation topics, composed "
