@@ -565,6 +565,40 @@ def test_ddp_two_processes(tmp_path):
         assert set(f.keys()) == head_tensor_names(loaded)
 
 
+def test_ship_script_card_gives_every_stage_of_a_continued_run(tmp_path):
+    """scripts/smollm2_ship_head.py (issue 4's shipping step) on three real Trainer runs, each warm-started from the
+    one before (what smollm2_train.py --init-from does): the card reads every stage's recipe from its
+    training_args.bin, and the shipped weights are the last stage's, in bf16."""
+    target, head = tiny_target(), tiny_head()
+    recipes = [(3, 1e-2, 4), (2, 5e-3, 6), (1, 2e-3, 8)]  # steps, learning rate, conversations
+    runs = [tmp_path / f"stage{number}" for number in range(1, len(recipes) + 1)]
+    for run, (steps, lr, conversations) in zip(runs, recipes):
+        args = training_args(run, max_steps=steps, learning_rate=lr)
+        trainer = JetSpecTrainer(head, args, train_dataset=make_examples(conversations), target_model=target)
+        trainer.train()
+        trainer.save_model(str(run))
+        head = JetSpecDraftHead.from_pretrained(run)
+    out = tmp_path / "shipped"
+    earlier = [f"--continued-from={run}:{conversations}" for run, (_, _, conversations) in zip(runs, recipes)][:-1]
+    command = [sys.executable, "scripts/smollm2_ship_head.py", runs[-1], "--out", out, "--conversations", "8", *earlier]
+    result = subprocess.run(list(map(str, command)), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+    card = (out / "README.md").read_text()
+    assert "| Steps | 6 (3, then 2, then 1 continued) |" in card
+    assert "| Conversations | 8 |" in card
+    assert "lr 0.01 then 0.005 then 0.002, constant each, 0 warm-up steps" in card
+    train = "THREADS=1 python scripts/smollm2_train.py"
+    assert (
+        f"{train} STAGE1 --limit 4 --max-steps 3 --lr 0.01; "
+        f"{train} STAGE2 --limit 6 --init-from STAGE1 --max-steps 2 --lr 0.005; "
+        f"{train} RUN_DIR --limit 8 --init-from STAGE2 --max-steps 1 --lr 0.002 |"
+    ) in card
+    shipped = JetSpecDraftHead.from_pretrained(out)
+    for name, tensor in shipped.state_dict().items():
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, head.state_dict()[name].to(torch.bfloat16))
+
+
 def test_tree_tau_callback_reports_generate_tau_as_a_metric(tmp_path):
     target, head = tiny_target(), tiny_head()
     data = make_examples(4)
